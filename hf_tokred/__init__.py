@@ -1,0 +1,36 @@
+"""hf_tokred: post-training token reduction for Hugging Face Mamba and Mamba-2 language models.
+
+    import hf_tokred
+    from hf_tokred import TokenReductionConfig
+    model = MambaForCausalLM.from_pretrained(path, token_reduction=TokenReductionConfig(flops_reduction=0.2))
+
+Importing the package installs the hooks that make ``token_reduction=`` work on transformers' own classes.
+"""
+
+from .config import METHODS, METRICS, STRATEGIES, ResolvedSchedule, TokenReductionConfig, default_anchors
+from .patch import (
+    TokenReductionCausalLMOutput,
+    TokenReductionModelOutput,
+    apply_token_reduction,
+    get_token_reduction,
+    install,
+)
+
+__version__ = "0.1.0"
+
+install()
+
+__all__ = [
+    "METHODS",
+    "METRICS",
+    "STRATEGIES",
+    "ResolvedSchedule",
+    "TokenReductionCausalLMOutput",
+    "TokenReductionConfig",
+    "TokenReductionModelOutput",
+    "__version__",
+    "apply_token_reduction",
+    "default_anchors",
+    "get_token_reduction",
+    "install",
+]

@@ -1,0 +1,312 @@
+"""`TokenReductionConfig`: the user-facing settings, their validation, and the schedule solver.
+
+A config is a small frozen dataclass that round-trips through a plain JSON dict (that dict is what
+lives in ``model.config.token_reduction`` and in ``config.json``).  ``resolve(num_hidden_layers)``
+turns it into the concrete schedule that will run: anchor layers and a per-anchor keep ratio.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Mapping, Sequence
+
+__all__ = [
+    "METHODS",
+    "METRICS",
+    "STRATEGIES",
+    "MethodSpec",
+    "ResolvedSchedule",
+    "TokenReductionConfig",
+    "default_anchors",
+    "proxy_flops_reduction",
+    "solve_keep_ratio",
+]
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """What a named method does: how it selects tokens, and what each branch does with them."""
+
+    selection: str  # "importance_similarity" | "reference" | "importance" | "bipartite"
+    hidden: str  # strategy on the hidden-state (mixer output) branch
+    residual: str  # strategy on the residual branch
+    pairs: bool  # True when every removed token is matched to a kept one (removes at most half per anchor)
+    summary: str
+
+
+METHODS: dict[str, MethodSpec] = {
+    "utrc": MethodSpec(
+        "importance_similarity", "hybrid", "merge", True,
+        "The paper's UTRC as written: importance-classified halves, cosine matching, hybrid (hidden) + merge (residual).",
+    ),
+    "utrc_reference": MethodSpec(
+        "reference", "hybrid_channel", "merge", True,
+        "What the authors' code computes: per-channel sort selection (thins the front) and per-channel hybrid.",
+    ),
+    "evit": MethodSpec(
+        "importance", "prune", "prune", False,
+        "EViT baseline: keep the most important tokens, drop the rest (both branches).",
+    ),
+    "tome": MethodSpec(
+        "bipartite", "merge", "merge", True,
+        "ToMe / PuMer baseline: even/odd bipartite soft matching, average merge (both branches).",
+    ),
+    "prune_only": MethodSpec(
+        "importance_similarity", "prune", "prune", True,
+        "UTRC selection, prune on both branches (paper Table 5, P-only).",
+    ),
+    "merge_only": MethodSpec(
+        "importance_similarity", "merge", "merge", True,
+        "UTRC selection, merge on both branches (paper Table 5, M-only).",
+    ),
+}
+
+#: Importance metrics of the paper's Table 3 (all computed from the anchor block's mixer output).
+METRICS: dict[str, str] = {
+    "clip": "mean over channels of max(0, h) (paper Eq. 5, default)",
+    "l1": "mean over channels of |h|",
+    "l2": "L2 norm of h over channels",
+    "noclip": "mean over channels of h",
+}
+
+#: What a branch does with the selected tokens.
+STRATEGIES: dict[str, str] = {
+    "prune": "drop the selected tokens",
+    "merge": "average each selected token into its matched token",
+    "hybrid": "per token: prune a fraction q of the selected tokens (least important), merge the rest",
+    "hybrid_channel": "per channel: merge the top (1-q) share of selected values, prune the others (reference code)",
+}
+
+# The paper's anchor layers for the checkpoint depths it evaluates (method.md, b.4).
+_PAPER_ANCHORS: dict[int, tuple[int, ...]] = {
+    64: (12, 17, 22, 27, 32, 37, 42),
+    48: (10, 15, 20, 25, 30, 35),
+}
+_RULE_DEPTH = 64
+
+
+def default_anchors(num_hidden_layers: int) -> tuple[int, ...]:
+    """Anchor layers (0-based, reduce *after* them) for a model of the given depth.
+
+    Depths 48 and 64 use the paper's anchors.  Any other depth scales the 64-layer rule
+    (first anchor 12, then every 5 layers, 7 anchors) proportionally: anchor ``a`` becomes
+    ``floor(a * L / 64 + 0.5)``; duplicates and anchors past ``L - 2`` are dropped, so every anchor
+    leaves at least one block that runs on the reduced sequence.
+    """
+    _check_depth(num_hidden_layers)
+    if num_hidden_layers in _PAPER_ANCHORS:
+        return _PAPER_ANCHORS[num_hidden_layers]
+    scaled = (math.floor(a * num_hidden_layers / _RULE_DEPTH + 0.5) for a in _PAPER_ANCHORS[_RULE_DEPTH])
+    return tuple(sorted({a for a in scaled if a <= num_hidden_layers - 2}))
+
+
+def proxy_flops_reduction(num_hidden_layers: int, anchors: Sequence[int], keep_ratio: float) -> float:
+    """The paper's FLOPs measure: ``1 - mean_l keep_l``, with ``keep_l`` the fraction of tokens block ``l`` processes.
+
+    Block ``l`` processes ``keep_ratio ** (number of anchors before l)`` of the tokens (an anchor block
+    itself still sees its full input).  Exact for long sequences; rounding makes it smaller for short ones.
+    """
+    anchors = sorted(anchors)
+    total = sum(keep_ratio ** sum(a < layer for a in anchors) for layer in range(num_hidden_layers))
+    return 1.0 - total / num_hidden_layers
+
+
+def solve_keep_ratio(num_hidden_layers: int, anchors: Sequence[int], flops_reduction: float, min_keep: float) -> float:
+    """Per-anchor keep ratio in ``[min_keep, 1]`` whose proxy FLOPs reduction equals ``flops_reduction``."""
+    if flops_reduction == 0.0:
+        return 1.0
+    reachable = proxy_flops_reduction(num_hidden_layers, anchors, min_keep)
+    if flops_reduction > reachable + 1e-12:
+        raise ValueError(
+            f"flops_reduction={flops_reduction} is not reachable for a {num_hidden_layers}-layer model with anchors "
+            f"{list(anchors)}: at most {reachable:.4f} when each anchor keeps {min_keep:g} of its tokens. "
+            "Use a smaller flops_reduction, or earlier/more anchors."
+        )
+    lo, hi = min_keep, 1.0  # proxy reduction decreases monotonically as the keep ratio grows
+    for _ in range(100):
+        mid = 0.5 * (lo + hi)
+        if proxy_flops_reduction(num_hidden_layers, anchors, mid) > flops_reduction:
+            lo = mid
+        else:
+            hi = mid
+    return 0.5 * (lo + hi)
+
+
+@dataclass(frozen=True)
+class ResolvedSchedule:
+    """What will run on a model of a given depth."""
+
+    num_hidden_layers: int
+    anchors: tuple[int, ...]
+    keep_ratio: float
+    flops_reduction: float  # the paper's proxy (1 - mean fraction of tokens per layer), long-sequence limit
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "anchors": list(self.anchors)}
+
+
+def _check_depth(num_hidden_layers: Any) -> None:
+    if isinstance(num_hidden_layers, bool) or not isinstance(num_hidden_layers, int) or num_hidden_layers < 1:
+        raise ValueError(f"num_hidden_layers must be a positive int, got {num_hidden_layers!r}")
+
+
+def _real(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"TokenReductionConfig.{name} must be a number, got {type(value).__name__} {value!r}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"TokenReductionConfig.{name} must be finite, got {value!r}")
+    return value
+
+
+def _choice(name: str, value: Any, allowed: Mapping[str, Any]) -> str:
+    if not isinstance(value, str) or value not in allowed:
+        raise ValueError(
+            f"TokenReductionConfig.{name}={value!r} is not supported; allowed values: {', '.join(sorted(allowed))}"
+        )
+    return value
+
+
+@dataclass(frozen=True)
+class TokenReductionConfig:
+    """Token-reduction settings for a Mamba / Mamba-2 model.
+
+    Give either ``flops_reduction`` (the paper's measure; the keep ratio is solved for the model's depth)
+    or ``keep_ratio`` (per anchor, relative to the sequence length entering that anchor).  ``anchors``
+    (0-based block indices; reduction happens after these blocks) default to the paper's rule.
+
+    Args:
+        method: one of ``METHODS`` (``utrc``, ``utrc_reference``, ``evit``, ``tome``, ``prune_only``, ``merge_only``).
+        flops_reduction: target FLOPs reduction in ``[0, 1)``, e.g. 0.1 / 0.2 / 0.3.
+        keep_ratio: per-anchor keep ratio in ``(0, 1]`` (``[0.5, 1]`` for methods that pair tokens).
+        anchors: strictly increasing block indices; checked against the model's depth when applied.
+        metric: importance metric, one of ``METRICS``.
+        q: share of the selected tokens that the hybrid strategy prunes (the rest are merged), in ``[0, 1]``.
+        hidden_strategy / residual_strategy: override the method's strategy for a branch (ablations).
+    """
+
+    method: str = "utrc"
+    flops_reduction: float | None = None
+    keep_ratio: float | None = None
+    anchors: tuple[int, ...] | None = None
+    metric: str = "clip"
+    q: float = 0.5
+    hidden_strategy: str | None = None
+    residual_strategy: str | None = None
+
+    def __post_init__(self) -> None:
+        _choice("method", self.method, METHODS)
+        _choice("metric", self.metric, METRICS)
+        set_ = object.__setattr__
+        set_(self, "q", _real("q", self.q))
+        if not 0.0 <= self.q <= 1.0:
+            raise ValueError(f"TokenReductionConfig.q must be in [0, 1], got {self.q}")
+        for name in ("hidden_strategy", "residual_strategy"):
+            if getattr(self, name) is not None:
+                _choice(name, getattr(self, name), STRATEGIES)
+        if (self.flops_reduction is None) == (self.keep_ratio is None):
+            raise ValueError(
+                "TokenReductionConfig needs exactly one of flops_reduction (e.g. 0.2) or keep_ratio (e.g. 0.9); "
+                f"got flops_reduction={self.flops_reduction!r}, keep_ratio={self.keep_ratio!r}"
+            )
+        if self.flops_reduction is not None:
+            set_(self, "flops_reduction", _real("flops_reduction", self.flops_reduction))
+            if not 0.0 <= self.flops_reduction < 1.0:
+                raise ValueError(f"TokenReductionConfig.flops_reduction must be in [0, 1), got {self.flops_reduction}")
+        if self.keep_ratio is not None:
+            set_(self, "keep_ratio", _real("keep_ratio", self.keep_ratio))
+            lo = self.min_keep_ratio
+            if not (lo <= self.keep_ratio <= 1.0 and self.keep_ratio > 0.0):
+                why = (
+                    f" (method {self.method!r} pairs every removed token with a kept one, so an anchor removes at most half)"
+                    if lo > 0
+                    else ""
+                )
+                interval = f"[{lo:g}, 1]" if lo > 0 else "(0, 1]"
+                raise ValueError(f"TokenReductionConfig.keep_ratio must be in {interval}{why}, got {self.keep_ratio}")
+        if self.anchors is not None:
+            set_(self, "anchors", self._check_anchors(self.anchors))
+
+    @staticmethod
+    def _check_anchors(anchors: Any) -> tuple[int, ...]:
+        if isinstance(anchors, (str, bytes)) or not isinstance(anchors, Sequence):
+            raise TypeError(f"TokenReductionConfig.anchors must be a list of ints, got {anchors!r}")
+        out = []
+        for a in anchors:
+            if isinstance(a, bool) or not isinstance(a, int):
+                raise TypeError(f"TokenReductionConfig.anchors must be a list of ints, got element {a!r}")
+            if a < 0:
+                raise ValueError(f"TokenReductionConfig.anchors must be non-negative layer indices, got {a}")
+            out.append(a)
+        if not out:
+            raise ValueError("TokenReductionConfig.anchors must not be empty (omit it to use the default rule)")
+        if any(b <= a for a, b in zip(out, out[1:])):
+            raise ValueError(f"TokenReductionConfig.anchors must be strictly increasing, got {out}")
+        return tuple(out)
+
+    # ------------------------------------------------------------------ derived
+
+    @property
+    def spec(self) -> MethodSpec:
+        return METHODS[self.method]
+
+    @property
+    def min_keep_ratio(self) -> float:
+        return 0.5 if self.spec.pairs else 0.0
+
+    @property
+    def hidden(self) -> str:
+        """Strategy applied to the hidden-state branch."""
+        return self.hidden_strategy or self.spec.hidden
+
+    @property
+    def residual(self) -> str:
+        """Strategy applied to the residual branch."""
+        return self.residual_strategy or self.spec.residual
+
+    def resolve(self, num_hidden_layers: int) -> ResolvedSchedule:
+        """The anchors and keep ratio that will be applied to a model with ``num_hidden_layers`` blocks."""
+        _check_depth(num_hidden_layers)
+        anchors = self.anchors if self.anchors is not None else default_anchors(num_hidden_layers)
+        if not anchors:
+            raise ValueError(
+                f"a {num_hidden_layers}-layer model is too shallow for the default anchor rule; pass anchors=[...]"
+            )
+        if anchors[-1] >= num_hidden_layers:
+            raise ValueError(
+                f"TokenReductionConfig.anchors {list(anchors)} reach outside a {num_hidden_layers}-layer model; "
+                f"anchors must be in [0, {num_hidden_layers - 1}]"
+            )
+        if self.keep_ratio is not None:
+            keep = self.keep_ratio
+        else:
+            keep = solve_keep_ratio(num_hidden_layers, anchors, self.flops_reduction, max(self.min_keep_ratio, 1e-6))
+        return ResolvedSchedule(
+            num_hidden_layers, tuple(anchors), keep, proxy_flops_reduction(num_hidden_layers, anchors, keep)
+        )
+
+    # ------------------------------------------------------------------ (de)serialisation
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-safe dict with every field (this is what ``config.json`` stores)."""
+        d = asdict(self)
+        d["anchors"] = list(self.anchors) if self.anchors is not None else None
+        return d
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "TokenReductionConfig":
+        if not isinstance(data, Mapping):
+            raise TypeError(f"token_reduction settings must be a dict or TokenReductionConfig, got {type(data).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown token_reduction field(s) {unknown}; allowed fields: {', '.join(sorted(known))}"
+            )
+        return cls(**dict(data))
+
+    @classmethod
+    def coerce(cls, value: "TokenReductionConfig | Mapping[str, Any]") -> "TokenReductionConfig":
+        """Accept a config or a plain dict (as stored in ``config.json``)."""
+        return value if isinstance(value, cls) else cls.from_dict(value)

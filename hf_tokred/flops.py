@@ -1,0 +1,300 @@
+"""Analytic forward-pass FLOPs for HF Mamba / Mamba-2 causal LMs with per-layer sequence lengths.
+
+When tokens are removed or merged between blocks, block ``i`` processes ``layer_lengths[i]``
+tokens.  The functions here count the FLOPs of such a forward pass from the config alone
+(no model, no tensors), following the op shapes of the stock torch code paths in
+``transformers.models.mamba.modeling_mamba`` and ``transformers.models.mamba2.modeling_mamba2``
+(inference, ``use_cache=False``, no attention mask).
+
+Conventions (all counts are for the whole batch):
+
+* A multiply-add is 2 FLOPs; an elementwise add / multiply / subtract is 1 FLOP.
+  Transcendentals and other pointwise non-arithmetic ops (``exp``, ``softplus``, ``silu``,
+  ``rsqrt``, ``clamp``, masking, padding, copies) are not counted.  Embedding lookups are free.
+* ``projections``: the linear layers as matmuls (``2*M*N*K``), plus their elementwise
+  epilogues -- ``in_proj``/``out_proj`` bias adds when ``config.use_bias`` (Mamba-1 also the
+  always-present ``dt_proj`` bias), and the block's residual add.
+* ``conv``: the depthwise causal conv as HF's torch fallback runs it: ``F.conv1d`` with
+  ``padding=K-1`` computes ``L+K-1`` output positions (the last ``K-1`` are sliced away), so
+  ``2*B*C*K*(L+K-1)`` plus the conv bias add on those positions.  This is also what
+  ``torch.utils.flop_counter.FlopCounterMode`` reports; a fused causal kernel would do
+  ``2*B*C*K*L`` (a constant ``2*B*C*K*(K-1)`` less per layer).
+* ``scan``:
+
+  - Mamba-1 (``D`` = intermediate size, ``N`` = state size): ``9*B*L*D*N`` (the usual
+    selective-scan convention: discretisation ``dt*A``, ``dt*B``, ``dt*B*u``, the recurrence
+    ``h = dA*h + dBu`` and the ``C.h`` contraction, the latter being ``2*B*L*D*N`` of it and a
+    batched matmul in HF), plus the D skip ``y + D*u`` (``2*B*L*D``) and the gate ``y*silu(z)``
+    (``B*L*D``).
+  - Mamba-2 (SSD, chunked, as ``mamba2_chunk_scan``'s torch reference does it): the sequence
+    is zero-padded to ``Lp = nc*Q`` (``Q = chunk_size``, ``nc = ceil(L/Q)``), with ``H`` heads,
+    head dim ``P``, state ``N``.  Einsums (batched matmuls): ``C.B^T`` per chunk
+    ``2*B*H*Lp*Q*N``, ``(M) @ x`` ``2*B*H*Lp*Q*P``, chunk states ``2*B*H*Lp*P*N``, inter-chunk
+    recurrence ``2*B*H*(nc+1)^2*P*N``, state->output ``2*B*H*Lp*N*P``.  Elementwise: dt bias and
+    ``A*dt`` (``2*B*L*H``), ``x*dt`` (``B*L*D``), D skip mul+add, ``Y_off`` decay scaling and
+    ``Y_diag+Y_off`` (``4*B*Lp*D``), cumsums of ``A`` and the decay subtraction (``2*B*H*Lp``),
+    the intra-chunk segment-sum cumsum and the ``G*L`` masking (``2*B*H*Lp*Q``), ``B*decay``
+    (``B*H*Lp*N``) and the inter-chunk segment sum (``B*H*(nc+1)^2``).
+
+* ``norm``: an RMSNorm over ``d`` features costs ``4*d`` per token (square, sum, scale,
+  weight).  Each block has one (pre-norm); the model adds ``norm_f`` on the last block's
+  ``layer_lengths[-1]`` tokens.  Mamba-2's gated norm costs ``5*D`` per token (``x*silu(g)``
+  then RMSNorm).
+* ``lm_head``: ``2*B*P*d*V`` for ``P = lm_head_positions`` positions.
+
+``FlopsBreakdown.matmul`` is the part made of linear / matmul / bmm / einsum / conv kernels,
+i.e. what ``FlopCounterMode`` counts for the stock eager forward.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+__all__ = [
+    "SUPPORTED_MODEL_TYPES",
+    "FlopsBreakdown",
+    "layer_flops",
+    "model_flops",
+    "flops_reduction",
+    "proxy_flops_reduction",
+]
+
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("mamba", "mamba2")
+
+
+@dataclass(frozen=True)
+class FlopsBreakdown:
+    """FLOPs of a forward pass, split by component (multiply-add = 2 FLOPs, whole batch).
+
+    ``elementwise`` is not a separate component: it is the part of the other five fields
+    (bias adds, residual adds, scan arithmetic, norms) that is not a matmul/conv kernel.
+    """
+
+    projections: int
+    conv: int
+    scan: int
+    norm: int
+    lm_head: int
+    elementwise: int = 0
+
+    @property
+    def total(self) -> int:
+        """All counted FLOPs."""
+        return self.projections + self.conv + self.scan + self.norm + self.lm_head
+
+    @property
+    def matmul(self) -> int:
+        """Linear + (b)mm/einsum + conv FLOPs: what ``torch.utils.flop_counter.FlopCounterMode`` sees."""
+        return self.total - self.elementwise
+
+    def __add__(self, other: FlopsBreakdown) -> FlopsBreakdown:
+        if not isinstance(other, FlopsBreakdown):
+            return NotImplemented
+        return FlopsBreakdown(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
+
+
+_ZERO = FlopsBreakdown(0, 0, 0, 0, 0, 0)
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _model_type(config: Any) -> str:
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"config.model_type={model_type!r} is not supported; supported model_type values: "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    return model_type
+
+
+def _int(value: Any, name: str, minimum: int) -> int:
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be an integer, got {value!r}") from None
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def _lengths(config: Any, layer_lengths: Sequence[int], name: str = "layer_lengths") -> list[int]:
+    if isinstance(layer_lengths, (str, bytes)) or not isinstance(layer_lengths, Sequence):
+        raise ValueError(f"{name} must be a sequence of positive integers, got {type(layer_lengths).__name__}")
+    if len(layer_lengths) == 0:
+        raise ValueError(f"{name} must not be empty")
+    lengths = [_int(n, f"{name}[{i}]", 1) for i, n in enumerate(layer_lengths)]
+    n_layers = getattr(config, "num_hidden_layers", None)
+    if n_layers is not None and len(lengths) != n_layers:
+        raise ValueError(f"{name} has {len(lengths)} entries but config.num_hidden_layers is {n_layers}")
+    return lengths
+
+
+def _lm_head_positions(value: int | None, last_length: int, name: str) -> int:
+    if value is None:
+        return last_length
+    value = _int(value, name, 0)
+    if value > last_length:
+        raise ValueError(f"{name}={value} exceeds the last layer length {last_length}")
+    return value
+
+
+# --------------------------------------------------------------------------- per-block counts
+
+
+def _mamba1_layer(config: Any, L: int, B: int) -> FlopsBreakdown:
+    d = config.hidden_size
+    D = config.intermediate_size
+    N = config.state_size
+    R = int(config.time_step_rank)
+    K = config.conv_kernel
+    tokens = B * L
+
+    proj_mm = 2 * tokens * (d * 2 * D + D * (R + 2 * N) + R * D + D * d)
+    proj_ew = tokens * D + tokens * d  # dt_proj bias (added inside the scan in HF), residual add
+    if config.use_bias:
+        proj_ew += tokens * (2 * D + d)
+
+    conv_positions = B * L
+    conv_mm = 2 * conv_positions * D * K
+    conv_ew = conv_positions * D if config.use_conv_bias else 0
+
+    scan_mm = 2 * tokens * D * N  # C . h, a batched matmul in HF
+    scan_ew = 7 * tokens * D * N + 2 * tokens * D + tokens * D  # rest of 9BLDN, D skip, gate
+
+    norm = 4 * tokens * d
+    return FlopsBreakdown(
+        projections=proj_mm + proj_ew,
+        conv=conv_mm + conv_ew,
+        scan=scan_mm + scan_ew,
+        norm=norm,
+        lm_head=0,
+        elementwise=proj_ew + conv_ew + scan_ew + norm,
+    )
+
+
+def _mamba2_layer(config: Any, L: int, B: int) -> FlopsBreakdown:
+    d = config.hidden_size
+    D = int(config.expand * d)
+    H = config.num_heads
+    P = config.head_dim
+    G = config.n_groups
+    N = config.state_size
+    K = config.conv_kernel
+    Q = config.chunk_size
+    conv_dim = D + 2 * G * N
+    tokens = B * L
+
+    in_out = D + conv_dim + H
+    proj_mm = 2 * tokens * (d * in_out + D * d)
+    proj_ew = tokens * d  # residual add
+    if config.use_bias:
+        proj_ew += tokens * (in_out + d)
+
+    conv_positions = B * L
+    conv_mm = 2 * conv_positions * conv_dim * K
+    conv_ew = conv_positions * conv_dim if config.use_conv_bias else 0
+
+    nc = math.ceil(L / Q)
+    Lp = nc * Q
+    scan_mm = 2 * B * H * (Lp * Q * N + Lp * Q * P + Lp * P * N + (nc + 1) ** 2 * P * N + Lp * N * P)
+    scan_ew = B * (
+        2 * L * H  # dt + dt_bias, A * dt
+        + L * D  # x * dt
+        + 4 * Lp * D  # D * x, + D_residual, Y_off decay scaling, Y_diag + Y_off
+        + 2 * H * Lp  # cumsum(A), decay_states subtraction
+        + 2 * H * Lp * Q  # intra-chunk segment-sum cumsum, G * L
+        + H * Lp * N  # B * decay_states
+        + H * (nc + 1) ** 2  # inter-chunk segment-sum cumsum
+    )
+
+    norm = 4 * tokens * d + 5 * tokens * D  # block RMSNorm, gated RMSNorm
+    return FlopsBreakdown(
+        projections=proj_mm + proj_ew,
+        conv=conv_mm + conv_ew,
+        scan=scan_mm + scan_ew,
+        norm=norm,
+        lm_head=0,
+        elementwise=proj_ew + conv_ew + scan_ew + norm,
+    )
+
+
+_LAYER_FNS = {"mamba": _mamba1_layer, "mamba2": _mamba2_layer}
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def layer_flops(config: Any, seq_len: int, batch: int = 1) -> FlopsBreakdown:
+    """FLOPs of one block (pre-norm, mixer, residual) processing ``seq_len`` tokens per sequence.
+
+    ``config`` is a ``MambaConfig`` or ``Mamba2Config`` (detected by ``config.model_type``).
+    ``lm_head`` is 0 here.  See the module docstring for the counting conventions.
+    """
+    model_type = _model_type(config)
+    seq_len = _int(seq_len, "seq_len", 1)
+    batch = _int(batch, "batch", 1)
+    return _LAYER_FNS[model_type](config, seq_len, batch)
+
+
+def model_flops(
+    config: Any,
+    layer_lengths: Sequence[int],
+    batch: int = 1,
+    lm_head_positions: int | None = None,
+) -> FlopsBreakdown:
+    """FLOPs of a full ``*ForCausalLM`` forward where block ``i`` processes ``layer_lengths[i]`` tokens.
+
+    ``len(layer_lengths)`` must equal ``config.num_hidden_layers``.  ``norm_f`` runs on
+    ``layer_lengths[-1]`` tokens; the LM head on ``lm_head_positions`` of them (default: all,
+    ``0`` excludes the head, e.g. ``1`` for ``logits_to_keep=1``).
+    """
+    model_type = _model_type(config)
+    lengths = _lengths(config, layer_lengths)
+    batch = _int(batch, "batch", 1)
+    positions = _lm_head_positions(lm_head_positions, lengths[-1], "lm_head_positions")
+
+    total = _ZERO
+    for length in lengths:
+        total = total + _LAYER_FNS[model_type](config, length, batch)
+    d = config.hidden_size
+    norm_f = 4 * batch * lengths[-1] * d
+    head = 2 * batch * positions * d * config.vocab_size
+    return total + FlopsBreakdown(0, 0, 0, norm_f, head, elementwise=norm_f)
+
+
+def flops_reduction(
+    config: Any,
+    layer_lengths: Sequence[int],
+    dense_length: int,
+    batch: int = 1,
+    lm_head_positions: int | None = None,
+    dense_lm_head_positions: int | None = None,
+) -> float:
+    """``1 - model_flops(reduced).total / model_flops(dense).total``.
+
+    The dense model runs every block on ``dense_length`` tokens; its LM head runs on
+    ``dense_lm_head_positions`` positions (default ``dense_length``).
+    """
+    dense_length = _int(dense_length, "dense_length", 1)
+    n_layers = len(_lengths(config, layer_lengths))
+    reduced = model_flops(config, layer_lengths, batch, lm_head_positions)
+    dense = model_flops(config, [dense_length] * n_layers, batch, dense_lm_head_positions)
+    return 1.0 - reduced.total / dense.total
+
+
+def proxy_flops_reduction(layer_lengths: Sequence[int], dense_length: int) -> float:
+    """The reference code's proxy: ``1 - mean_l(layer_lengths[l] / dense_length)``.
+
+    It treats every block as linear in its length and ignores the LM head and chunk padding.
+    """
+    lengths = _lengths(None, layer_lengths)
+    dense_length = _int(dense_length, "dense_length", 1)
+    return 1.0 - sum(lengths) / (len(lengths) * dense_length)

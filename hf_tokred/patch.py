@@ -1,0 +1,472 @@
+"""Attaching token reduction to transformers' own Mamba / Mamba-2 classes.
+
+``import hf_tokred`` installs three small hooks (idempotent):
+
+* ``PreTrainedModel.from_pretrained`` and the ``AutoModel*`` loaders accept ``token_reduction=`` and
+  validate a ``token_reduction`` block found in ``config.json``;
+* ``MambaModel.forward`` / ``Mamba2Model.forward`` run the shared reducing layer loop when
+  ``config.token_reduction`` is set, and the stock code otherwise;
+* ``MambaForCausalLM.forward`` / ``Mamba2ForCausalLM.forward`` map logits back to input positions.
+
+The settings live in ``model.config.token_reduction`` as a plain dict, so ``save_pretrained`` and
+``push_to_hub`` carry them, and stock transformers (without the plugin) loads such a folder as a normal model.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import inspect
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+import transformers
+from packaging.version import Version
+from transformers import Mamba2ForCausalLM, Mamba2Model, MambaForCausalLM, MambaModel, PreTrainedModel
+from transformers.cache_utils import DynamicCache
+from transformers.masking_utils import create_recurrent_attention_mask
+from transformers.models.auto.auto_factory import _BaseAutoModelClass
+from transformers.utils import ModelOutput
+
+from .config import ResolvedSchedule, TokenReductionConfig
+from .reduce import Plan, apply_plan, make_plan, reduce_along
+
+__all__ = [
+    "SUPPORTED_TRANSFORMERS",
+    "TokenReductionCausalLMOutput",
+    "TokenReductionModelOutput",
+    "apply_token_reduction",
+    "check_transformers_version",
+    "get_token_reduction",
+    "install",
+]
+
+SUPPORTED_TRANSFORMERS = (Version("5.24.0"), Version("5.25.0"))  # [low, high)
+
+
+class UnsupportedTransformersVersion(ImportError, ValueError):
+    """The installed transformers is outside the line whose Mamba internals hf_tokred patches."""
+
+
+def check_transformers_version(version: str) -> None:
+    lo, hi = SUPPORTED_TRANSFORMERS
+    if not lo <= Version(version) < hi:
+        raise UnsupportedTransformersVersion(
+            f"hf_tokred supports transformers>={lo},<{hi} (its Mamba cache/mixer API changes between lines); "
+            f"found transformers=={version}. Install a supported version: pip install 'transformers>={lo},<{hi}'"
+        )
+
+
+# ----------------------------------------------------------------------------- families
+
+
+@dataclass(frozen=True)
+class Family:
+    """The one place Mamba and Mamba-2 differ for this plugin."""
+
+    name: str
+    lm_class: type
+    backbone_class: type
+    mixer_takes_kwargs: bool  # Mamba2Block forwards **kwargs to its mixer, MambaBlock does not
+
+
+FAMILIES = {
+    "mamba": Family("mamba", MambaForCausalLM, MambaModel, False),
+    "mamba2": Family("mamba2", Mamba2ForCausalLM, Mamba2Model, True),
+}
+
+
+def _family(model_or_config: Any) -> Family:
+    config = getattr(model_or_config, "config", model_or_config)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in FAMILIES:
+        what = type(model_or_config).__name__
+        raise ValueError(
+            f"token_reduction supports Mamba and Mamba-2 models (MambaForCausalLM, Mamba2ForCausalLM, MambaModel, "
+            f"Mamba2Model); got {what} with model_type={model_type!r}"
+        )
+    return FAMILIES[model_type]
+
+
+# ----------------------------------------------------------------------------- settings
+
+
+def apply_token_reduction(model: PreTrainedModel, token_reduction: TokenReductionConfig | dict | None):
+    """Turn token reduction on (validated against the model's depth), or off with ``None``. Returns ``model``."""
+    config = model.config
+    if token_reduction is None:
+        if "token_reduction" in config.__dict__:
+            del config.token_reduction
+        return model
+    _family(model)
+    cfg = TokenReductionConfig.coerce(token_reduction)
+    cfg.resolve(config.num_hidden_layers)  # raises if the schedule does not fit this model
+    config.token_reduction = cfg.to_dict()
+    return model
+
+
+def get_token_reduction(model_or_config: Any) -> TokenReductionConfig | None:
+    config = getattr(model_or_config, "config", model_or_config)
+    settings = getattr(config, "token_reduction", None)
+    return None if settings is None else TokenReductionConfig.coerce(settings)
+
+
+@functools.lru_cache(maxsize=64)
+def _schedule(settings_json: str, num_hidden_layers: int) -> tuple[TokenReductionConfig, ResolvedSchedule]:
+    cfg = TokenReductionConfig.from_dict(json.loads(settings_json))
+    return cfg, cfg.resolve(num_hidden_layers)
+
+
+def _active(config) -> tuple[TokenReductionConfig, ResolvedSchedule] | None:
+    settings = getattr(config, "token_reduction", None)
+    if settings is None:
+        return None
+    if isinstance(settings, TokenReductionConfig):
+        settings = settings.to_dict()
+    return _schedule(json.dumps(settings, sort_keys=True), config.num_hidden_layers)
+
+
+# ----------------------------------------------------------------------------- outputs
+
+
+@dataclass
+class TokenReductionModelOutput(ModelOutput):
+    """Backbone output of a reducing model.
+
+    ``last_hidden_state`` is aligned with the input positions; positions that were removed hold NaN.
+    ``computed_mask [B, N]`` tells which input positions were computed; ``kept_positions [B, M]`` lists
+    them per row (-1 = padding); ``plans`` holds ``(anchor_layer, Plan)`` per anchor that reduced.
+    ``hidden_states`` (if requested) are per block, in each block's own reduced layout.
+    """
+
+    last_hidden_state: torch.Tensor | None = None
+    cache: Any = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+    computed_mask: torch.Tensor | None = None
+    kept_positions: torch.Tensor | None = None
+    plans: tuple[tuple[int, Plan], ...] | None = None
+
+
+@dataclass
+class TokenReductionCausalLMOutput(ModelOutput):
+    """Causal-LM output of a reducing model: ``logits`` aligned with the input positions (NaN where a
+    position was not computed), loss over the computed positions, plus the fields of the backbone output."""
+
+    loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    cache: Any = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+    computed_mask: torch.Tensor | None = None
+    kept_positions: torch.Tensor | None = None
+    plans: tuple[tuple[int, Plan], ...] | None = None
+
+
+# ----------------------------------------------------------------------------- the shared layer loop
+
+
+@dataclass
+class _Reduced:
+    hidden: torch.Tensor  # [B, M, D] after norm_f
+    positions: torch.Tensor  # [B, M] input position of each column, -1 for padding
+    cache: Any
+    all_hidden: tuple | None
+    plans: tuple
+
+
+def _is_fresh(cache) -> bool:
+    if cache is None:
+        return True
+    try:
+        return not cache.has_previous_state()
+    except ValueError:  # a cache without linear-attention layers holds no state yet
+        return True
+
+
+def _anchor_block(block, hidden, cache, layer_mask, real, protected, cfg, keep_ratio, mixer_kwargs):
+    """One anchor block, split into its two branches so each can be reduced before they are added."""
+    residual = hidden
+    h = block.norm(hidden.to(dtype=block.norm.weight.dtype))
+    if block.residual_in_fp32:
+        residual = residual.to(torch.float32)
+    h = block.mixer(h, cache=cache, attention_mask=layer_mask, **mixer_kwargs)
+    with torch.no_grad():
+        spec = cfg.spec
+        plan = make_plan(h.detach(), real, protected, keep_ratio, spec.selection, cfg.metric, spec.pairs)
+    if plan is None:
+        return residual + h, None
+    return apply_plan(residual, plan, cfg.residual, cfg.q) + apply_plan(h, plan, cfg.hidden, cfg.q), plan
+
+
+def _reduced_backbone(
+    backbone,
+    cfg: TokenReductionConfig,
+    schedule: ResolvedSchedule,
+    input_ids=None,
+    inputs_embeds=None,
+    cache=None,
+    use_cache=None,
+    output_hidden_states=None,
+    attention_mask=None,
+    protected_mask=None,
+    **kwargs,
+) -> _Reduced:
+    config = backbone.config
+    family = _family(config)
+    output_hidden_states = output_hidden_states if output_hidden_states is not None else config.output_hidden_states
+    use_cache = use_cache if use_cache is not None else (config.use_cache if not backbone.training else False)
+    if (input_ids is None) ^ (inputs_embeds is not None):
+        raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+    if inputs_embeds is None:
+        inputs_embeds = backbone.embeddings(input_ids)
+    if backbone.gradient_checkpointing and backbone.training and use_cache:
+        use_cache = False
+    if use_cache and cache is None:
+        cache = DynamicCache(config=config)
+
+    B, N = inputs_embeds.shape[:2]
+    device = inputs_embeds.device
+    layer_mask = create_recurrent_attention_mask(
+        config=config, inputs_embeds=inputs_embeds, attention_mask=attention_mask, cache=cache
+    )
+    reducing = N > 1 and _is_fresh(cache)
+    if reducing:
+        real = (
+            torch.ones(B, N, dtype=torch.bool, device=device)
+            if attention_mask is None
+            else attention_mask[:, -N:].to(device=device, dtype=torch.bool)
+        )
+        # The last real token of every row always survives (next-token logits and the decode cache need it).
+        last = torch.where(real, torch.arange(N, device=device), -1).max(1).values
+        protected = real & (torch.arange(N, device=device)[None, :] == last[:, None])
+        if protected_mask is not None:
+            if protected_mask.shape != (B, N):
+                raise ValueError(f"protected_mask must have shape {(B, N)} (batch, sequence), got {tuple(protected_mask.shape)}")
+            protected |= protected_mask.to(device=device, dtype=torch.bool) & real
+    positions = torch.arange(N, device=device).expand(B, N)
+    mixer_kwargs = kwargs if family.mixer_takes_kwargs else {}
+    anchors = set(schedule.anchors) if reducing else set()
+
+    hidden = inputs_embeds
+    all_hidden = () if output_hidden_states else None
+    plans = []
+    for i, block in enumerate(backbone.layers):
+        if i in anchors:
+            hidden, plan = _anchor_block(
+                block, hidden, cache, layer_mask, real, protected, cfg, schedule.keep_ratio, mixer_kwargs
+            )
+            if plan is not None:
+                plans.append((i, plan))
+                real = reduce_along(real, plan, False)
+                protected = reduce_along(protected, plan, False)
+                positions = reduce_along(positions, plan, -1)
+                layer_mask = None if bool(real.all()) else real.to(torch.long)
+        else:
+            hidden = block(hidden, cache=cache, attention_mask=layer_mask, **kwargs)
+        if output_hidden_states:
+            all_hidden += (hidden,)
+    hidden = backbone.norm_f(hidden)
+    if output_hidden_states:
+        all_hidden += (hidden,)
+    return _Reduced(hidden, positions, cache if use_cache else None, all_hidden, tuple(plans))
+
+
+def _scatter_to_positions(values: torch.Tensor, positions: torch.Tensor, length: int, offset: int = 0) -> torch.Tensor:
+    """Place ``values [B, M, ...]`` at ``positions - offset`` of a NaN-filled ``[B, length, ...]`` tensor."""
+    B = values.shape[0]
+    out = values.new_full((B, length, *values.shape[2:]), float("nan"))
+    ok = (positions >= offset) & (positions < offset + length)
+    rows = torch.arange(B, device=values.device)[:, None].expand_as(positions)
+    out[rows[ok], positions[ok] - offset] = values[ok]
+    return out
+
+
+def _computed_mask(positions: torch.Tensor, length: int) -> torch.Tensor:
+    mask = torch.zeros(positions.shape[0], length, dtype=torch.bool, device=positions.device)
+    return mask.scatter_(1, positions.clamp_min(0), positions >= 0) if positions.numel() else mask
+
+
+# ----------------------------------------------------------------------------- patched forwards
+
+
+def _bind(signature: inspect.Signature, self, args, kwargs) -> dict[str, Any]:
+    bound = signature.bind(self, *args, **kwargs)
+    bound.apply_defaults()
+    params = dict(bound.arguments)
+    params.pop("self")
+    extra = params.pop("kwargs", {})
+    if "cache_params" in extra:  # deprecated alias transformers still accepts
+        params["cache"] = extra.pop("cache_params")
+    return {**params, **extra}
+
+
+def _patch_backbone_forward(cls) -> None:
+    original = cls.forward
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def forward(self, *args, **kwargs):
+        active = _active(self.config)
+        if active is None:
+            kwargs.pop("protected_mask", None)  # nothing is reduced, so every position survives
+            return original(self, *args, **kwargs)
+        p = _bind(signature, self, args, kwargs)
+        return_dict = p.pop("return_dict")
+        return_dict = return_dict if return_dict is not None else self.config.return_dict
+        r = _reduced_backbone(self, *active, **p)
+        N = (p["input_ids"] if p["input_ids"] is not None else p["inputs_embeds"]).shape[1]
+        out = TokenReductionModelOutput(
+            last_hidden_state=_scatter_to_positions(r.hidden, r.positions, N),
+            cache=r.cache,
+            hidden_states=r.all_hidden,
+            computed_mask=_computed_mask(r.positions, N),
+            kept_positions=r.positions,
+            plans=r.plans,
+        )
+        if not return_dict:
+            return tuple(v for v in (out.last_hidden_state, out.cache, out.hidden_states) if v is not None)
+        return out
+
+    forward._hf_tokred_original = original
+    cls.forward = forward
+
+
+def _patch_lm_forward(cls) -> None:
+    original = cls.forward
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def forward(self, *args, **kwargs):
+        active = _active(self.config)
+        if active is None:
+            kwargs.pop("protected_mask", None)
+            return original(self, *args, **kwargs)
+        p = _bind(signature, self, args, kwargs)
+        labels, logits_to_keep = p.pop("labels"), p.pop("logits_to_keep")
+        return_dict = p.pop("return_dict")
+        return_dict = return_dict if return_dict is not None else self.config.return_dict
+        backbone_keys = ("input_ids", "inputs_embeds", "cache", "use_cache", "output_hidden_states", "attention_mask", "protected_mask")
+        loss_kwargs = {k: v for k, v in p.items() if k not in backbone_keys}
+        r = _reduced_backbone(self.backbone, *active, **{k: p.get(k) for k in backbone_keys})
+        N = (p["input_ids"] if p["input_ids"] is not None else p["inputs_embeds"]).shape[1]
+        weight_dtype = self.lm_head.weight.dtype
+
+        if isinstance(logits_to_keep, int):
+            keep_n = N if logits_to_keep == 0 else min(logits_to_keep, N)
+            cols = min(keep_n, r.hidden.shape[1])  # kept positions >= N - keep_n are the last columns
+            part = self.lm_head(r.hidden[:, -cols:].to(weight_dtype)).float() if cols else r.hidden[:, :0]
+            logits = _scatter_to_positions(part, r.positions[:, -cols:], keep_n, offset=N - keep_n)
+        else:
+            logits = _scatter_to_positions(self.lm_head(r.hidden.to(weight_dtype)).float(), r.positions, N)
+            logits = logits[:, logits_to_keep]
+
+        loss = None
+        if labels is not None:
+            compact = self.lm_head(r.hidden.to(weight_dtype)).float()
+            shifted = F.pad(labels[:, 1:], (0, 1), value=-100).to(r.positions.device)
+            shift_labels = shifted.gather(1, r.positions.clamp_min(0)).masked_fill(r.positions < 0, -100)
+            loss = self.loss_function(
+                logits=compact, labels=None, shift_labels=shift_labels, vocab_size=self.config.vocab_size, **loss_kwargs
+            )
+        if not return_dict:
+            out = tuple(v for v in (logits, r.cache, r.all_hidden) if v is not None)
+            return ((loss,) + out) if loss is not None else out
+        return TokenReductionCausalLMOutput(
+            loss=loss,
+            logits=logits,
+            cache=r.cache,
+            hidden_states=r.all_hidden,
+            computed_mask=_computed_mask(r.positions, N),
+            kept_positions=r.positions,
+            plans=r.plans,
+        )
+
+    forward._hf_tokred_original = original
+    cls.forward = forward
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+_UNSET: Any = object()
+_PENDING: contextvars.ContextVar = contextvars.ContextVar("hf_tokred_pending", default=_UNSET)
+
+
+def _finish_loading(model, token_reduction, source) -> Any:
+    if token_reduction is _UNSET:
+        settings = getattr(getattr(model, "config", None), "token_reduction", None)
+        if settings is None:
+            return model
+        try:
+            return apply_token_reduction(model, settings)
+        except (TypeError, ValueError) as err:
+            raise ValueError(
+                f"the token_reduction block in the config of {source!r} is invalid: {err}. Fix that block in "
+                "config.json, or load with token_reduction=None to ignore it."
+            ) from err
+    return apply_token_reduction(model, token_reduction)
+
+
+def _patch_model_from_pretrained() -> None:
+    original = PreTrainedModel.from_pretrained.__func__
+
+    @functools.wraps(original)
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, token_reduction=_UNSET, **kwargs):
+        if token_reduction is _UNSET:
+            token_reduction = _PENDING.get()
+        if token_reduction is not _UNSET and token_reduction is not None:
+            TokenReductionConfig.coerce(token_reduction)  # fail on bad settings before loading weights
+            model_type = getattr(getattr(cls, "config_class", None), "model_type", None)
+            if model_type not in FAMILIES:
+                raise ValueError(
+                    f"token_reduction supports MambaForCausalLM, Mamba2ForCausalLM, MambaModel and Mamba2Model; "
+                    f"{cls.__name__} (model_type={model_type!r}) cannot reduce tokens. Drop token_reduction= or load a "
+                    "Mamba / Mamba-2 checkpoint."
+                )
+        token = _PENDING.set(_UNSET)
+        try:
+            model = original(cls, pretrained_model_name_or_path, *args, **kwargs)
+        finally:
+            _PENDING.reset(token)
+        if not isinstance(model, PreTrainedModel):  # e.g. output_loading_info=True returns a tuple
+            return (_finish_loading(model[0], token_reduction, pretrained_model_name_or_path), *model[1:])
+        return _finish_loading(model, token_reduction, pretrained_model_name_or_path)
+
+    from_pretrained._hf_tokred_original = original
+    PreTrainedModel.from_pretrained = classmethod(from_pretrained)
+
+
+def _patch_auto_from_pretrained() -> None:
+    original = _BaseAutoModelClass.from_pretrained.__func__
+
+    @functools.wraps(original)
+    def from_pretrained(cls, *args, token_reduction=_UNSET, **kwargs):
+        if token_reduction is _UNSET:
+            return original(cls, *args, **kwargs)
+        token = _PENDING.set(token_reduction)  # handed to the concrete class's from_pretrained
+        try:
+            return original(cls, *args, **kwargs)
+        finally:
+            _PENDING.reset(token)
+
+    from_pretrained._hf_tokred_original = original
+    _BaseAutoModelClass.from_pretrained = classmethod(from_pretrained)
+
+
+_INSTALLED = False
+
+
+def install() -> None:
+    """Install the hooks (called by ``import hf_tokred``; safe to call again)."""
+    global _INSTALLED
+    if _INSTALLED:
+        return
+    check_transformers_version(transformers.__version__)
+    for family in FAMILIES.values():
+        _patch_backbone_forward(family.backbone_class)
+        _patch_lm_forward(family.lm_class)
+    _patch_model_from_pretrained()
+    _patch_auto_from_pretrained()
+    _INSTALLED = True

@@ -1,0 +1,285 @@
+"""The method itself, as pure functions on tensors: importance, selection, plans, and applying a plan.
+
+Shapes: ``B`` batch rows, ``N`` current sequence length, ``D`` channels.  Within a row, the "real"
+tokens are those whose mask is set; padding never takes part in importance or matching, and each row's
+number of removed tokens comes from its own real length.
+
+A :class:`Plan` is computed once per anchor from the anchor block's mixer output ``h`` and applied to
+both branches (hidden state and residual).  The reduced sequence uses a left-padded layout: each row's
+kept tokens, in their original order, are right-aligned; shorter rows get padding on the left (which
+the Mamba mixers handle exactly, like left-padded input).
+
+Tie-breaking (deterministic): importance ties are broken by position (earlier = less important);
+similarity ties by the order of the less-important set; equal best matches pick the first candidate.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "Plan",
+    "Selection",
+    "apply_plan",
+    "importance",
+    "make_plan",
+    "num_to_remove",
+    "select",
+]
+
+
+def importance(h: torch.Tensor, metric: str = "clip") -> torch.Tensor:
+    """Token importance ``[..., N]`` from mixer output ``h [..., N, D]`` (paper Eq. 5 and Table 3 variants)."""
+    h = h.float()
+    if metric == "clip":
+        return h.clamp_min(0).mean(-1)
+    if metric == "l1":
+        return h.abs().mean(-1)
+    if metric == "l2":
+        return h.norm(dim=-1)
+    if metric == "noclip":
+        return h.mean(-1)
+    raise ValueError(f"unknown importance metric {metric!r}; allowed: clip, l1, l2, noclip")
+
+
+def _features(h: torch.Tensor, metric: str) -> torch.Tensor:
+    """Unit-norm token features for cosine similarity: the clipped output for ``clip``, the raw output otherwise."""
+    h = h.float()
+    if metric == "clip":
+        h = h.clamp_min(0)
+    return h / h.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+
+
+def num_to_remove(n_real: torch.Tensor, keep_ratio: float, pairs: bool) -> torch.Tensor:
+    """Tokens to remove per row: ``n - ceil(n * keep_ratio)``, capped at ``n // 2`` when tokens are paired."""
+    n = n_real.double()
+    r = n - torch.ceil(n * keep_ratio - 1e-9)
+    if pairs:
+        r = torch.minimum(r, torch.div(n_real, 2, rounding_mode="floor").double())
+    return r.clamp_min(0).long()
+
+
+@dataclass
+class Selection:
+    """Which tokens of a group of equal-length rows go, relative to that group's real tokens.
+
+    ``src[g, i]`` is removed and (for merging strategies) folded into ``dst[g, i]``; entries with
+    ``valid`` False are unused.  ``score`` is the importance of each source (the token-level hybrid
+    prunes the least important sources and merges the rest).
+    """
+
+    src: torch.Tensor  # [g, R] long
+    dst: torch.Tensor  # [g, R] long
+    valid: torch.Tensor  # [g, R] bool
+    score: torch.Tensor  # [g, R] float
+
+
+def _take(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Gather rows of ``x [g, n, ...]`` along dim 1 with ``idx [g, k]``."""
+    return x.gather(1, idx.view(*idx.shape, *([1] * (x.dim() - 2))).expand(*idx.shape, *x.shape[2:]))
+
+
+def _top_links(link: torch.Tensor, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Indices of the ``r[g]`` highest link scores per row (stable: ties keep their order) and their validity."""
+    R = int(r.max()) if r.numel() else 0
+    order = torch.sort(link, dim=1, descending=True, stable=True).indices[:, :R]
+    ok = torch.arange(R, device=link.device)[None, :] < r[:, None]
+    ok &= torch.isfinite(link.gather(1, order))  # never take an ineligible (protected) source
+    return order, ok
+
+
+def _select_importance_similarity(h, protected, r, metric) -> Selection:
+    """Paper Sec. 4: less important half matched to the more important half by cosine; keep the top links."""
+    n = h.shape[1]
+    s = importance(h, metric)
+    order = torch.sort(s.masked_fill(protected, math.inf), dim=1, stable=True).indices
+    n_a = n - n // 2
+    a, b = order[:, :n_a], order[:, n_a:]
+    feat = _features(h, metric)
+    sim = _take(feat, a) @ _take(feat, b).transpose(1, 2)  # [g, |A|, |B|]
+    best, match = sim.max(-1)
+    best = best.masked_fill(protected.gather(1, a), -math.inf)
+    sel, ok = _top_links(best, r)
+    src = a.gather(1, sel)
+    return Selection(src, b.gather(1, match.gather(1, sel)), ok, s.gather(1, src))
+
+
+def _select_reference(h, protected, r, metric) -> Selection:
+    """The reference code's selection, operation for operation: a per-channel sort along the token axis,
+    then ``a @ b^T`` on the sorted halves, with row ``i`` of ``a`` read as even token ``2i`` and row ``j``
+    of ``b`` as odd token ``2j+1``.  On non-negative inputs this removes 0, 2, ..., 2r-2 into token 1."""
+    n = h.shape[1]
+    feat = _features(h, metric)
+    ranked = torch.sort(feat, dim=1, descending=True, stable=True).values
+    a, b = ranked[:, n // 2 :], ranked[:, : n // 2]
+    best, match = (a @ b.transpose(1, 2)).max(-1)
+    even = torch.arange(0, n, 2, device=h.device)
+    best = best.masked_fill(protected[:, even], -math.inf)
+    sel, ok = _top_links(best, r)
+    src = 2 * sel
+    return Selection(src, 2 * match.gather(1, sel) + 1, ok, importance(h, metric).gather(1, src))
+
+
+def _select_bipartite(h, protected, r, metric) -> Selection:
+    """ToMe / PuMer: even tokens matched to odd tokens by cosine; the most similar pairs merge."""
+    n = h.shape[1]
+    feat = _features(h, metric)
+    best, match = (feat[:, 0::2] @ feat[:, 1::2].transpose(1, 2)).max(-1)
+    best = best.masked_fill(protected[:, 0::2], -math.inf)
+    sel, ok = _top_links(best, r)
+    src = 2 * sel
+    return Selection(src, 2 * match.gather(1, sel) + 1, ok, importance(h, metric).gather(1, src))
+
+
+def _select_importance(h, protected, r, metric) -> Selection:
+    """EViT: remove the least important tokens (no matching; ``dst`` is unused)."""
+    s = importance(h, metric)
+    sel, ok = _top_links(-s.masked_fill(protected, math.inf), r)
+    return Selection(sel, sel, ok, s.gather(1, sel))
+
+
+_SELECTORS = {
+    "importance_similarity": _select_importance_similarity,
+    "reference": _select_reference,
+    "bipartite": _select_bipartite,
+    "importance": _select_importance,
+}
+
+
+def select(selection: str, h: torch.Tensor, protected: torch.Tensor, r: torch.Tensor, metric: str) -> Selection:
+    """Run one selection rule on ``h [g, n, D]`` (all tokens real), ``protected [g, n]``, ``r [g]``."""
+    try:
+        fn = _SELECTORS[selection]
+    except KeyError:
+        raise ValueError(f"unknown selection {selection!r}; allowed: {', '.join(_SELECTORS)}") from None
+    if h.shape[1] < 2 or int(r.max()) == 0:
+        empty = torch.zeros(h.shape[0], 0, dtype=torch.long, device=h.device)
+        return Selection(empty, empty, empty.bool(), empty.float())
+    return fn(h, protected, r, metric)
+
+
+@dataclass
+class Plan:
+    """One anchor's reduction for a whole batch, in indices of the current sequence (length ``N``).
+
+    ``keep [B, M]``/``keep_mask``: kept tokens, ascending and right-aligned (left padding, index 0, mask False).
+    ``src/dst/src_mask [B, R]``: removed tokens and where they merge (``dst_slot`` = column of ``dst`` in ``keep``).
+    ``src_score``: importance of each removed token.
+    """
+
+    keep: torch.Tensor
+    keep_mask: torch.Tensor
+    src: torch.Tensor
+    dst: torch.Tensor
+    dst_slot: torch.Tensor
+    src_mask: torch.Tensor
+    src_score: torch.Tensor
+
+    @property
+    def num_removed(self) -> torch.Tensor:
+        return self.src_mask.sum(1)
+
+
+def make_plan(
+    h: torch.Tensor,
+    mask: torch.Tensor,
+    protected: torch.Tensor,
+    keep_ratio: float,
+    selection: str,
+    metric: str,
+    pairs: bool,
+) -> Plan | None:
+    """Plan one anchor from its mixer output ``h [B, N, D]``; ``None`` when no row loses a token.
+
+    ``mask [B, N]`` marks real tokens, ``protected [B, N]`` tokens that must survive.  Rows are grouped
+    by real length so every selection runs on a dense, padding-free tensor.
+    """
+    B, N, _ = h.shape
+    n_real = mask.sum(1)
+    r_all = num_to_remove(n_real, keep_ratio, pairs)
+    if int(r_all.max()) == 0:
+        return None
+    device = h.device
+    R = int(r_all.max())
+    src = torch.zeros(B, R, dtype=torch.long, device=device)
+    dst = torch.zeros_like(src)
+    ok = torch.zeros(B, R, dtype=torch.bool, device=device)
+    score = torch.zeros(B, R, device=device)
+    for n in torch.unique(n_real[r_all > 0]).tolist():
+        rows = ((n_real == n) & (r_all > 0)).nonzero().squeeze(1)
+        pos = mask[rows].nonzero()[:, 1].view(len(rows), n)  # real positions, ascending
+        sel = select(selection, _take(h[rows], pos), protected[rows].gather(1, pos), r_all[rows], metric)
+        k = sel.src.shape[1]
+        src[rows, :k] = pos.gather(1, sel.src)
+        dst[rows, :k] = pos.gather(1, sel.dst)
+        ok[rows, :k] = sel.valid
+        score[rows, :k] = sel.score
+    rows_of = torch.arange(B, device=device)[:, None]
+    removed = torch.zeros(B, N, dtype=torch.bool, device=device)
+    removed[rows_of.expand(B, R)[ok], src[ok]] = True
+    kept = mask.bool() & ~removed
+    M = int(kept.sum(1).max())
+    ar = torch.arange(N, device=device).expand(B, N)
+    keep = torch.sort(torch.where(kept, ar, -1), dim=1).values[:, N - M :]
+    keep_mask = keep >= 0
+    keep = keep.clamp_min(0)
+    slot_of = torch.full((B, N), -1, dtype=torch.long, device=device)
+    slot_of[rows_of.expand(B, M)[keep_mask], keep[keep_mask]] = torch.arange(M, device=device).expand(B, M)[keep_mask]
+    dst_slot = slot_of.gather(1, dst).clamp_min(0)  # unused (invalid or pruned) entries point at slot 0
+    return Plan(keep, keep_mask, src, dst, dst_slot, ok, score)
+
+
+def _merge_weights(plan: Plan, strategy: str, q: float, x_src: torch.Tensor) -> torch.Tensor | None:
+    """Per-source merge weights (1 = merge, 0 = prune), ``[B, R, 1]`` or per channel ``[B, R, D]``."""
+    valid = plan.src_mask
+    if strategy == "prune":
+        return None
+    if strategy == "merge":
+        w = valid
+    elif strategy == "hybrid":
+        # Token level: of each row's r selected sources, the floor(r * (1 - q)) most important merge.
+        n_merge = torch.floor(valid.sum(1) * (1.0 - q) + 1e-9).long()
+        rank = torch.sort(
+            plan.src_score.masked_fill(~valid, -math.inf), dim=1, descending=True, stable=True
+        ).indices.argsort(1)
+        w = valid & (rank < n_merge[:, None])
+    elif strategy == "hybrid_channel":
+        # Channel level (reference code): per channel, the top k = floor(r * (1 - q)) source values merge.
+        k = torch.floor(valid.sum(1) * (1.0 - q) + 1e-9).long()
+        vals = x_src.float().masked_fill(~valid[..., None], -math.inf)
+        rank = torch.sort(vals, dim=1, descending=True, stable=True).indices.argsort(1)
+        return (valid[..., None] & (rank < k[:, None, None])).float()
+    else:
+        raise ValueError(f"unknown strategy {strategy!r}; allowed: prune, merge, hybrid, hybrid_channel")
+    return w[..., None].float()
+
+
+def apply_plan(x: torch.Tensor, plan: Plan, strategy: str, q: float = 0.5) -> torch.Tensor:
+    """Reduce ``x [B, N, D]`` to ``[B, M, D]`` following ``plan``.
+
+    Merging is the size-weighted mean with sizes reset at every anchor:
+    ``dst <- (dst + sum_i w_i * src_i) / (1 + sum_i w_i)`` over the sources mapped to ``dst``,
+    computed in fp32 and cast back to ``x.dtype``.
+    """
+    out = _take(x, plan.keep)
+    x_src = _take(x, plan.src)
+    w = _merge_weights(plan, strategy, q, x_src) if plan.src.shape[1] else None
+    if w is not None:
+        slot = plan.dst_slot[..., None]
+        acc = out.float() if out.dtype != torch.float32 else out
+        acc.scatter_add_(1, slot.expand(-1, -1, x.shape[-1]), x_src.float() * w)
+        den = torch.ones(*out.shape[:2], w.shape[-1], device=x.device)
+        den.scatter_add_(1, slot.expand(-1, -1, w.shape[-1]), w)
+        out = (acc / den).to(x.dtype)
+    if not bool(plan.keep_mask.all()):
+        out = out.masked_fill(~plan.keep_mask[..., None], 0)
+    return out
+
+
+def reduce_along(t: torch.Tensor, plan: Plan, fill) -> torch.Tensor:
+    """Carry a per-token tensor ``t [B, N]`` (mask, positions, protection) through the plan."""
+    return t.gather(1, plan.keep).masked_fill(~plan.keep_mask, fill)
