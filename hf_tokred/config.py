@@ -227,6 +227,11 @@ class TokenReductionConfig:
                 raise ValueError(f"TokenReductionConfig.keep_ratio must be in {interval}{why}, got {self.keep_ratio}")
         if self.anchors is not None:
             set_(self, "anchors", self._check_anchors(self.anchors))
+        if self.spec.selection == "importance" and {self.hidden, self.residual} != {"prune"}:
+            raise ValueError(
+                f"method {self.method!r} selects tokens without matching them to kept ones, so it can only prune: "
+                f"hidden_strategy and residual_strategy must be 'prune' (got {self.hidden!r}, {self.residual!r})"
+            )
 
     @staticmethod
     def _check_anchors(anchors: Any) -> tuple[int, ...]:

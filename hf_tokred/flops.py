@@ -162,7 +162,7 @@ def _mamba1_layer(config: Any, L: int, B: int) -> FlopsBreakdown:
     if config.use_bias:
         proj_ew += tokens * (2 * D + d)
 
-    conv_positions = B * L
+    conv_positions = B * (L + K - 1)
     conv_mm = 2 * conv_positions * D * K
     conv_ew = conv_positions * D if config.use_conv_bias else 0
 
@@ -198,7 +198,7 @@ def _mamba2_layer(config: Any, L: int, B: int) -> FlopsBreakdown:
     if config.use_bias:
         proj_ew += tokens * (in_out + d)
 
-    conv_positions = B * L
+    conv_positions = B * (L + K - 1)
     conv_mm = 2 * conv_positions * conv_dim * K
     conv_ew = conv_positions * conv_dim if config.use_conv_bias else 0
 

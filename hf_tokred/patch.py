@@ -438,8 +438,9 @@ def _patch_model_from_pretrained() -> None:
     PreTrainedModel.from_pretrained = classmethod(from_pretrained)
 
 
-def _patch_auto_from_pretrained() -> None:
-    original = _BaseAutoModelClass.from_pretrained.__func__
+def _patch_auto_from_pretrained(cls) -> None:
+    """Auto classes each carry their own copy of ``from_pretrained``; wrap the one ``cls`` defines."""
+    original = cls.__dict__["from_pretrained"].__func__
 
     @functools.wraps(original)
     def from_pretrained(cls, *args, token_reduction=_UNSET, **kwargs):
@@ -452,7 +453,17 @@ def _patch_auto_from_pretrained() -> None:
             _PENDING.reset(token)
 
     from_pretrained._hf_tokred_original = original
-    _BaseAutoModelClass.from_pretrained = classmethod(from_pretrained)
+    cls.from_pretrained = classmethod(from_pretrained)
+
+
+def _auto_classes() -> list[type]:
+    from transformers.models.auto import modeling_auto
+
+    found = [_BaseAutoModelClass]
+    for obj in vars(modeling_auto).values():
+        if isinstance(obj, type) and issubclass(obj, _BaseAutoModelClass) and "from_pretrained" in obj.__dict__:
+            found.append(obj)
+    return found
 
 
 _INSTALLED = False
@@ -468,5 +479,6 @@ def install() -> None:
         _patch_backbone_forward(family.backbone_class)
         _patch_lm_forward(family.lm_class)
     _patch_model_from_pretrained()
-    _patch_auto_from_pretrained()
+    for auto_class in _auto_classes():
+        _patch_auto_from_pretrained(auto_class)
     _INSTALLED = True

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -72,6 +74,12 @@ def test_full_forward_matmul_matches_flop_counter(kind: str, seq_len: int) -> No
     analytic = model_flops(model.config, [seq_len] * model.config.num_hidden_layers, batch=BATCH)
     assert _rel_diff(analytic.matmul, counted) < REL_TOL, (analytic.matmul, counted)
     assert analytic.total > analytic.matmul  # elementwise work exists but is invisible to the counter
+    # The conv is a small share of the total, so check it on its own: HF's padded conv1d computes
+    # L+K-1 positions.  Without the (elementwise) bias, `conv` is exactly the conv kernel's FLOPs.
+    no_bias = copy.deepcopy(model.config)
+    no_bias.use_conv_bias = False
+    conv_counted = counter.get_flop_counts()["Global"][torch.ops.aten.convolution]
+    assert model_flops(no_bias, [seq_len] * no_bias.num_hidden_layers, batch=BATCH).conv == conv_counted
 
 
 # ----------------------------------------------------------------------------- 2. per-layer lengths

@@ -1,0 +1,262 @@
+"""The reduction math against slow, obvious per-token implementations and hand-computed cases."""
+
+import math
+
+import pytest
+import torch
+
+from hf_tokred.reduce import apply_plan, importance, make_plan, num_to_remove, select
+
+# ----------------------------------------------------------------------------- slow references
+
+
+def slow_importance(row, metric):
+    vals = []
+    for tok in row.double().tolist():
+        if metric == "clip":
+            vals.append(sum(max(0.0, v) for v in tok) / len(tok))
+        elif metric == "l1":
+            vals.append(sum(abs(v) for v in tok) / len(tok))
+        elif metric == "l2":
+            vals.append(math.sqrt(sum(v * v for v in tok)))
+        else:
+            vals.append(sum(tok) / len(tok))
+    return vals
+
+
+def slow_cos(u, v):
+    nu = math.sqrt(sum(a * a for a in u)) or 1e-12
+    nv = math.sqrt(sum(b * b for b in v)) or 1e-12
+    return sum(a * b for a, b in zip(u, v)) / (nu * nv)
+
+
+def slow_feat(row, metric):
+    rows = row.double().tolist()
+    return [[max(0.0, v) for v in t] for t in rows] if metric == "clip" else rows
+
+
+def slow_links(row, protected, r, metric, a_set, b_set):
+    feat = slow_feat(row, metric)
+    links = []
+    for ai, a in enumerate(a_set):
+        if protected[a]:
+            continue
+        sims = [slow_cos(feat[a], feat[b]) for b in b_set]
+        j = max(range(len(b_set)), key=lambda k: (sims[k], -k))
+        links.append((-sims[j], ai, a, b_set[j]))
+    links.sort()
+    return [(a, b) for _, _, a, b in links[:r]]
+
+
+def slow_paper_selection(row, protected, r, metric):
+    n = len(row)
+    s = slow_importance(row, metric)
+    order = sorted(range(n), key=lambda i: (math.inf if protected[i] else s[i], i))
+    return slow_links(row, protected, r, metric, order[: n - n // 2], order[n - n // 2 :])
+
+
+def slow_bipartite_selection(row, protected, r, metric):
+    n = len(row)
+    return slow_links(row, protected, r, metric, list(range(0, n, 2)), list(range(1, n, 2)))
+
+
+def slow_apply(x, pairs, weights):
+    """x [n, D]; pairs [(src, dst)]; weights[i] = per-channel list of 0/1 merge weights of source i."""
+    x = x.double()
+    out = x.clone()
+    for dst in {d for _, d in pairs}:
+        num, den = x[dst].clone(), torch.ones(x.shape[1], dtype=torch.double)
+        for (s, d), w in zip(pairs, weights):
+            if d == dst:
+                w = torch.tensor(w, dtype=torch.double)
+                num += w * x[s]
+                den += w
+        out[dst] = num / den
+    removed = {s for s, _ in pairs}
+    return out[[i for i in range(len(x)) if i not in removed]]
+
+
+def plan_pairs(plan, b=0):
+    return [(int(s), int(d)) for s, d, ok in zip(plan.src[b], plan.dst[b], plan.src_mask[b]) if ok]
+
+
+# ----------------------------------------------------------------------------- tests
+
+
+@pytest.mark.parametrize("metric", ["clip", "l1", "l2", "noclip"])
+def test_importance_metrics(metric):
+    h = torch.randn(2, 7, 5)
+    for b in range(2):
+        assert importance(h, metric)[b].tolist() == pytest.approx(slow_importance(h[b], metric), abs=1e-6)
+
+
+def test_num_to_remove():
+    n = torch.tensor([0, 1, 2, 10, 37, 100])
+    assert num_to_remove(n, 0.9, pairs=True).tolist() == [0, 0, 0, 1, 3, 10]
+    assert num_to_remove(n, 0.3, pairs=True).tolist() == [0, 0, 1, 5, 18, 50]  # capped at n // 2
+    assert num_to_remove(n, 0.3, pairs=False).tolist() == [0, 0, 1, 7, 25, 70]
+    assert num_to_remove(torch.tensor([10]), 0.7, pairs=False).tolist() == [3]  # 10 * 0.7 is 7.000000000000001
+
+
+@pytest.mark.parametrize("metric", ["clip", "l2", "noclip"])
+@pytest.mark.parametrize("n,r", [(9, 3), (12, 6), (2, 1), (15, 1)])
+def test_paper_selection_matches_slow_reference(metric, n, r):
+    torch.manual_seed(n * 7 + r)
+    h = torch.randn(3, n, 6)
+    protected = torch.zeros(3, n, dtype=torch.bool)
+    protected[:, -1] = True
+    protected[1, min(2, n - 1)] = True
+    sel = select("importance_similarity", h, protected, torch.full((3,), r), metric)
+    for b in range(3):
+        got = [(int(s), int(d)) for s, d, ok in zip(sel.src[b], sel.dst[b], sel.valid[b]) if ok]
+        assert got == slow_paper_selection(h[b], protected[b].tolist(), r, metric)
+
+
+@pytest.mark.parametrize("n,r", [(10, 4), (11, 5), (5, 2)])
+def test_bipartite_selection_matches_slow_reference(n, r):
+    torch.manual_seed(n + r)
+    h = torch.randn(2, n, 6)
+    protected = torch.zeros(2, n, dtype=torch.bool)
+    protected[:, -1] = True
+    sel = select("bipartite", h, protected, torch.full((2,), r), "clip")
+    for b in range(2):
+        got = [(int(s), int(d)) for s, d, ok in zip(sel.src[b], sel.dst[b], sel.valid[b]) if ok]
+        assert got == slow_bipartite_selection(h[b], protected[b].tolist(), r, "clip")
+
+
+def test_evit_removes_least_important_unprotected():
+    torch.manual_seed(3)
+    h = torch.randn(1, 12, 4)
+    protected = torch.zeros(1, 12, dtype=torch.bool)
+    protected[0, [3, 11]] = True
+    sel = select("importance", h, protected, torch.tensor([5]), "clip")
+    s = slow_importance(h[0], "clip")
+    expect = sorted((i for i in range(12) if i not in (3, 11)), key=lambda i: (s[i], i))[:5]
+    assert sorted(sel.src[0].tolist()) == sorted(expect)
+
+
+@pytest.mark.parametrize("n", [20, 33, 64])
+def test_reference_selection_thins_the_front(n):
+    """method.md b.2: on strictly positive inputs the reference code removes 0, 2, ..., 2r-2 into token 1."""
+    torch.manual_seed(n)
+    h = torch.rand(2, n, 16) + 0.01
+    r = n // 5
+    mask = torch.ones(2, n, dtype=torch.bool)
+    protected = torch.zeros_like(mask)
+    plan = make_plan(h, mask, protected, 1 - r / n, "reference", "clip", pairs=True)
+    for b in range(2):
+        assert sorted(plan.src[b].tolist()) == list(range(0, 2 * r, 2))
+        assert set(plan.dst[b].tolist()) == {1}
+    # residual branch (merge): token 1 becomes the (r+1)-way mean
+    res = torch.randn(2, n, 5)
+    out = apply_plan(res, plan, "merge")
+    expect = torch.cat([res[:, 1:2], res[:, 0 : 2 * r : 2]], 1).mean(1)
+    assert torch.allclose(out[:, 0], expect, atol=1e-6)
+    # hidden branch (per-channel hybrid, q = .5): per channel the k = r // 2 largest removed values fold in
+    k = r // 2
+    top = res[:, 0 : 2 * r : 2].sort(1, descending=True).values[:, :k].sum(1)
+    assert torch.allclose(apply_plan(res, plan, "hybrid_channel", 0.5)[:, 0], (res[:, 1] + top) / (1 + k), atol=1e-6)
+    kept = [i for i in range(n) if i == 1 or i >= 2 * r or i % 2]
+    assert plan.keep[0].tolist() == kept
+
+
+@pytest.mark.parametrize("strategy", ["prune", "merge", "hybrid", "hybrid_channel"])
+@pytest.mark.parametrize("selection", ["importance_similarity", "bipartite", "reference"])
+def test_apply_plan_matches_slow_reference(strategy, selection):
+    torch.manual_seed(11)
+    n, q = 17, 0.4
+    h = torch.randn(1, n, 6)
+    mask = torch.ones(1, n, dtype=torch.bool)
+    protected = torch.zeros_like(mask)
+    protected[0, -1] = True
+    plan = make_plan(h, mask, protected, 0.6, selection, "clip", pairs=True)
+    x = torch.randn(1, n, 6)
+    pairs = plan_pairs(plan)
+    r = len(pairs)
+    assert r == n - math.ceil(n * 0.6)
+    if strategy == "prune":
+        weights = [[0.0] * 6 for _ in pairs]
+    elif strategy == "merge":
+        weights = [[1.0] * 6 for _ in pairs]
+    elif strategy == "hybrid":  # the floor(r (1-q)) most important sources merge
+        scores = [float(s) for s, ok in zip(plan.src_score[0], plan.src_mask[0]) if ok]
+        ranked = sorted(range(r), key=lambda i: (-scores[i], i))[: math.floor(r * (1 - q))]
+        weights = [[1.0 if i in ranked else 0.0] * 6 for i in range(r)]
+    else:  # per channel, the floor(r (1-q)) largest source values merge
+        k = math.floor(r * (1 - q))
+        weights = [[0.0] * 6 for _ in pairs]
+        for d in range(6):
+            vals = [float(x[0, s, d]) for s, _ in pairs]
+            for i in sorted(range(r), key=lambda i: (-vals[i], i))[:k]:
+                weights[i][d] = 1.0
+    got = apply_plan(x, plan, strategy, q)[0].double()
+    assert torch.allclose(got, slow_apply(x[0], pairs, weights), atol=1e-6)
+
+
+@pytest.mark.parametrize("strategy", ["merge", "hybrid", "hybrid_channel"])
+def test_merge_weights_sum_to_one(strategy):
+    """A constant sequence stays constant under any merge: weights form a convex combination."""
+    h = torch.randn(2, 30, 8)
+    mask = torch.ones(2, 30, dtype=torch.bool)
+    plan = make_plan(h, mask, torch.zeros_like(mask), 0.5, "importance_similarity", "clip", pairs=True)
+    x = torch.full((2, 30, 4), 3.25)
+    assert torch.allclose(apply_plan(x, plan, strategy), torch.full((2, 15, 4), 3.25))
+
+
+@pytest.mark.parametrize("selection", ["importance_similarity", "bipartite", "reference", "importance"])
+def test_order_last_token_protection_and_padding(selection):
+    torch.manual_seed(5)
+    B, N = 4, 23
+    h = torch.randn(B, N, 8).abs()
+    lengths = [23, 18, 9, 1]
+    mask = torch.zeros(B, N, dtype=torch.bool)
+    for b, n in enumerate(lengths):
+        mask[b, N - n :] = True  # left padding
+    protected = torch.zeros_like(mask)
+    protected[:, -1] = True
+    protected[0, 4] = protected[1, 10] = True
+    keep_ratio = 0.7
+    pairs = selection != "importance"
+    plan = make_plan(h, mask, protected, keep_ratio, selection, "clip", pairs)
+    expect_removed = num_to_remove(torch.tensor(lengths), keep_ratio, pairs)
+    assert plan.num_removed.tolist() == expect_removed.tolist()
+    M = plan.keep.shape[1]
+    for b, n in enumerate(lengths):
+        kept = plan.keep[b][plan.keep_mask[b]].tolist()
+        assert kept == sorted(kept) and len(set(kept)) == len(kept)  # order preserved
+        assert len(kept) == n - expect_removed[b]
+        assert plan.keep_mask[b].tolist() == [False] * (M - len(kept)) + [True] * len(kept)  # left padded
+        assert all(mask[b, k] for k in kept)  # padding never kept
+        assert all(k in kept for k in protected[b].nonzero().flatten().tolist())
+        assert all(mask[b, s] for s, _ in plan_pairs(plan, b))  # padding never selected
+        # each row's plan equals the plan for that row alone, without padding
+        alone = make_plan(h[b : b + 1, N - n :], mask[b : b + 1, N - n :], protected[b : b + 1, N - n :],
+                          keep_ratio, selection, "clip", pairs)
+        alone_removed = [] if alone is None else sorted(s + N - n for s, _ in plan_pairs(alone))
+        assert sorted(s for s, _ in plan_pairs(plan, b)) == alone_removed
+
+
+def test_nothing_to_remove_returns_none():
+    h = torch.randn(2, 8, 4)
+    mask = torch.ones(2, 8, dtype=torch.bool)
+    assert make_plan(h, mask, torch.zeros_like(mask), 1.0, "importance_similarity", "clip", True) is None
+    assert make_plan(h[:, :1], mask[:, :1], mask[:, :1], 0.5, "importance_similarity", "clip", True) is None
+
+
+def test_protection_limits_the_removed_count():
+    h = torch.randn(1, 6, 4)
+    mask = torch.ones(1, 6, dtype=torch.bool)
+    protected = torch.tensor([[True, True, True, True, False, True]])
+    plan = make_plan(h, mask, protected, 0.5, "importance_similarity", "clip", True)
+    assert plan_pairs(plan) and [s for s, _ in plan_pairs(plan)] == [4]
+
+
+def test_deterministic_under_ties():
+    h = torch.ones(2, 16, 4)  # every importance and every similarity ties
+    mask = torch.ones(2, 16, dtype=torch.bool)
+    protected = torch.zeros_like(mask)
+    protected[:, -1] = True
+    plans = [make_plan(h, mask, protected, 0.75, "importance_similarity", "clip", True) for _ in range(3)]
+    assert all(torch.equal(p.keep, plans[0].keep) and torch.equal(p.src, plans[0].src) for p in plans)
+    # ties in importance are broken by position: the earliest tokens are the "less important" ones
+    assert sorted(plan_pairs(plans[0])) == [(0, 8), (1, 8), (2, 8), (3, 8)]
