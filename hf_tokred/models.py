@@ -1,0 +1,112 @@
+"""Finding a model by name: the bundled defaults, random-weight models of the real sizes, or any HF path / Hub id.
+
+Model specs understood everywhere a command takes ``--model``:
+
+* ``bundled:mamba`` / ``bundled:mamba2`` (or just ``mamba`` / ``mamba2``): the small trained models shipped
+  with the package (offline);
+* ``random:<family>-<size>``: random weights in the shape of a real checkpoint, e.g. ``random:mamba-130m``,
+  ``random:mamba2-2.7b``, ``random:mamba-tiny`` (for speed/memory work and tests; the text they produce is noise);
+* anything else: a local folder or Hub id passed to ``AutoModelForCausalLM.from_pretrained``.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    Mamba2Config,
+    Mamba2ForCausalLM,
+    MambaConfig,
+    MambaForCausalLM,
+    PreTrainedTokenizerFast,
+)
+
+__all__ = ["BUNDLED", "RANDOM_SHAPES", "bundled_path", "load_bundled", "load_model", "random_config"]
+
+BUNDLED = ("mamba", "mamba2")
+
+# (hidden_size, num_hidden_layers) of the public checkpoints; vocab 50280 (GPT-NeoX-20B, padded for Mamba-2).
+RANDOM_SHAPES: dict[str, dict[str, tuple[int, int]]] = {
+    "mamba": {"tiny": (64, 12), "130m": (768, 24), "370m": (1024, 48), "790m": (1536, 48), "1.4b": (2048, 48),
+              "2.8b": (2560, 64)},
+    "mamba2": {"tiny": (64, 12), "130m": (768, 24), "370m": (1024, 48), "780m": (1536, 48), "1.3b": (2048, 48),
+               "2.7b": (2560, 64)},
+}
+
+
+def bundled_path(family: str) -> Path:
+    if family not in BUNDLED:
+        raise ValueError(f"unknown bundled model {family!r}; choose one of {', '.join(BUNDLED)}")
+    path = Path(str(resources.files("hf_tokred") / "bundled" / family))
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"the bundled {family} model is missing from this installation ({path}); reinstall hf-tokred, or use "
+            "--model random:mamba-tiny / a local checkpoint"
+        )
+    return path
+
+
+def load_bundled(family: str = "mamba", token_reduction: Any = None, **kwargs):
+    """``(model, tokenizer)`` for a bundled model; ``token_reduction`` as in ``from_pretrained``."""
+    path = bundled_path(family)
+    cls = MambaForCausalLM if family == "mamba" else Mamba2ForCausalLM
+    model = cls.from_pretrained(path, token_reduction=token_reduction, **kwargs).eval()
+    return model, AutoTokenizer.from_pretrained(path)
+
+
+def random_config(name: str):
+    """Config for ``<family>-<size>``, e.g. ``mamba-130m`` or ``mamba2-2.7b``."""
+    family, _, size = name.partition("-")
+    shapes = RANDOM_SHAPES.get(family, {})
+    if size not in shapes:
+        known = ", ".join(f"random:{f}-{s}" for f in RANDOM_SHAPES for s in RANDOM_SHAPES[f])
+        raise ValueError(f"unknown random model {name!r}; known: {known}")
+    hidden, layers = shapes[size]
+    vocab = 512 if size == "tiny" else 50280
+    if family == "mamba":
+        return MambaConfig(vocab_size=vocab, hidden_size=hidden, state_size=16, num_hidden_layers=layers,
+                           pad_token_id=1, eos_token_id=0, bos_token_id=0)
+    head_dim = 16 if size == "tiny" else 64
+    return Mamba2Config(vocab_size=vocab, hidden_size=hidden, state_size=16 if size == "tiny" else 128,
+                        num_hidden_layers=layers, expand=2, head_dim=head_dim, num_heads=2 * hidden // head_dim,
+                        n_groups=1, chunk_size=32 if size == "tiny" else 256, pad_token_id=1, eos_token_id=0,
+                        bos_token_id=0)
+
+
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level tokenizer without merges (ids < 260), for random-weight models."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {"<|endoftext|>": 0, "<|padding|>": 1, **{ch: i + 2 for i, ch in enumerate(sorted(alphabet))}}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|endoftext|>",
+                                   pad_token="<|padding|>", padding_side="left")
+
+
+def load_model(spec: str, token_reduction: Any = None, dtype: torch.dtype | None = None, seed: int = 0, **kwargs):
+    """``(model, tokenizer)`` for a model spec (see the module docstring); the model is in eval mode."""
+    name = spec.removeprefix("bundled:")
+    if name in BUNDLED:
+        return load_bundled(name, token_reduction=token_reduction, **({"dtype": dtype} if dtype else {}), **kwargs)
+    if spec.startswith("random:"):
+        from .patch import apply_token_reduction
+
+        config = random_config(spec.removeprefix("random:"))
+        torch.manual_seed(seed)
+        cls = MambaForCausalLM if config.model_type == "mamba" else Mamba2ForCausalLM
+        model = cls(config).eval()
+        if dtype is not None:
+            model = model.to(dtype)
+        return apply_token_reduction(model, token_reduction), byte_tokenizer()
+    model = AutoModelForCausalLM.from_pretrained(
+        spec, token_reduction=token_reduction, **({"dtype": dtype} if dtype else {}), **kwargs
+    ).eval()
+    return model, AutoTokenizer.from_pretrained(spec)
