@@ -14,7 +14,7 @@ import sys
 __all__ = ["main", "add_reduction_arguments", "reduction_from_args"]
 
 # modules whose add_parser(subparsers) registers subcommands
-SUBCOMMAND_MODULES = ("hf_tokred.cli",)
+SUBCOMMAND_MODULES = ("hf_tokred.cli", "hf_tokred.bench")
 
 
 class UsageError(Exception):

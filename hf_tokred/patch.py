@@ -475,6 +475,9 @@ def install() -> None:
     if _INSTALLED:
         return
     check_transformers_version(transformers.__version__)
+    from . import fastpath
+
+    fastpath.install()
     for family in FAMILIES.values():
         _patch_backbone_forward(family.backbone_class)
         _patch_lm_forward(family.lm_class)

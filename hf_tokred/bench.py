@@ -1,0 +1,316 @@
+"""``hf-tokred bench``: dense vs reduced prefill/decode speed, the reduction's own overhead, and peak memory.
+
+Everything is measured side by side in one run: repeats are interleaved across the settings (dense,
+each FLOPs level, and optionally stock transformers), so machine noise hits all of them alike.
+Reported figures are medians with min/max; speed-ups are ratios of medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import multiprocessing
+import platform
+import resource
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["BenchSetting", "add_parser", "run_bench"]
+
+
+@dataclass
+class BenchSetting:
+    name: str
+    token_reduction: dict | None
+    stock: bool = False  # run transformers' own code paths (no hf_tokred fast paths)
+    prefill_s: list[float] = field(default_factory=list)
+    decode_s: list[float] = field(default_factory=list)
+    overhead_s: list[float] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@contextlib.contextmanager
+def _timed_reduction(sink: list[float], device: torch.device):
+    """Time spent choosing plans and applying them (the reduction's own cost) during one forward."""
+    from . import patch
+
+    originals = patch.make_plan, patch.apply_plan
+    spent = [0.0]
+
+    def timed(fn):
+        def wrapper(*args, **kwargs):
+            _sync(device)
+            t = time.perf_counter()
+            out = fn(*args, **kwargs)
+            _sync(device)
+            spent[0] += time.perf_counter() - t
+            return out
+
+        return wrapper
+
+    patch.make_plan, patch.apply_plan = timed(originals[0]), timed(originals[1])
+    try:
+        yield
+    finally:
+        patch.make_plan, patch.apply_plan = originals
+        sink.append(spent[0])
+
+
+def _stock_paths(enabled: bool):
+    from . import fastpath
+
+    return fastpath.stock_kernels() if enabled else contextlib.nullcontext()
+
+
+@torch.no_grad()
+def _prefill_and_decode(model, ids, setting: BenchSetting, decode_tokens: int, device) -> None:
+    from .patch import apply_token_reduction
+
+    apply_token_reduction(model, setting.token_reduction)
+    with _stock_paths(setting.stock):
+        _sync(device)
+        with _timed_reduction(setting.overhead_s, device):
+            t0 = time.perf_counter()
+            out = model(ids, use_cache=True, logits_to_keep=1)
+            _sync(device)
+            setting.prefill_s.append(time.perf_counter() - t0)
+        cache, nxt = out.cache, out.logits[:, -1:].argmax(-1)
+        if decode_tokens:
+            t0 = time.perf_counter()
+            for _ in range(decode_tokens):
+                step = model(nxt, cache=cache, use_cache=True)
+                cache, nxt = step.cache, step.logits[:, -1:].argmax(-1)
+            _sync(device)
+            setting.decode_s.append(time.perf_counter() - t0)
+    if getattr(out, "plans", None):
+        setting.extra["layer_lengths"] = _layer_lengths(model.config, out.plans, ids.shape[1])
+
+
+def _layer_lengths(config, plans, length: int) -> list[int]:
+    """Tokens each block processed (longest row), from the plans of one forward."""
+    lengths, n, by_layer = [], length, dict(plans)
+    for layer in range(config.num_hidden_layers):
+        lengths.append(n)
+        if layer in by_layer:
+            n = int(by_layer[layer].keep_mask.sum(1).max())
+    return lengths
+
+
+def _memory_probe(spec: str, setting: dict | None, stock: bool, batch: int, length: int, threads: int, q) -> None:
+    """Child process: peak RSS growth (MiB) of one prefill, beyond what loading and a small warm-up used."""
+    torch.set_num_threads(threads)
+    from .models import load_model
+
+    model, _ = load_model(spec, token_reduction=setting)
+    ids = torch.randint(2, model.config.vocab_size, (batch, length), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), _stock_paths(stock):
+        model(ids[:, :64], use_cache=True, logits_to_keep=1)
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        model(ids, use_cache=True, logits_to_keep=1)
+        after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    q.put((after - before) / 1024.0)
+
+
+def _peak_memory_mib(spec, setting: BenchSetting, batch, length, threads, device) -> float:
+    if device.type == "cuda":
+        from .models import load_model
+
+        model, _ = load_model(spec, token_reduction=setting.token_reduction)
+        model.to(device)
+        ids = torch.randint(2, model.config.vocab_size, (batch, length), device=device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        with torch.no_grad():
+            model(ids, use_cache=True, logits_to_keep=1)
+        return (torch.cuda.max_memory_allocated(device) - base) / 2**20
+    ctx = multiprocessing.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_memory_probe, args=(spec, setting.token_reduction, setting.stock, batch, length, threads, q))
+    p.start()
+    p.join()
+    if p.exitcode != 0:
+        raise RuntimeError(f"memory probe for {setting.name} failed with exit code {p.exitcode}")
+    return q.get()
+
+
+def _summary(xs: list[float]) -> dict[str, float] | None:
+    if not xs:
+        return None
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
+
+
+def run_bench(
+    model_spec: str = "random:mamba-130m",
+    batch: int = 1,
+    length: int = 2048,
+    flops: tuple[float, ...] = (0.1, 0.2, 0.3),
+    method: str = "utrc",
+    repeats: int = 3,
+    warmup: int = 1,
+    decode_tokens: int = 16,
+    threads: int | None = None,
+    compare_stock: bool = False,
+    memory: bool = False,
+    device: str = "cpu",
+    dtype: str = "float32",
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Run the benchmark and return a JSON-safe result dict (see ``print_table``)."""
+    from tqdm.auto import tqdm
+
+    from .flops import flops_reduction, proxy_flops_reduction
+    from .models import load_model
+
+    if threads:
+        torch.set_num_threads(threads)
+    dev = torch.device(device)
+    torch_dtype = getattr(torch, dtype)
+    model, _ = load_model(model_spec, dtype=torch_dtype)
+    model.to(dev)
+    ids = torch.randint(2, model.config.vocab_size, (batch, length), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(dev)
+
+    settings = [BenchSetting("dense", None)]
+    if compare_stock:
+        settings.append(BenchSetting("stock transformers (dense)", None, stock=True))
+    settings += [BenchSetting(f"{method} {f:.0%}", {"method": method, "flops_reduction": f}) for f in flops]
+
+    for _ in tqdm(range(warmup), desc="warm-up", disable=not progress or not warmup):
+        for s in settings:
+            _prefill_and_decode(model, ids, s, min(decode_tokens, 2), dev)
+            s.prefill_s.clear(), s.decode_s.clear(), s.overhead_s.clear()
+    for _ in tqdm(range(repeats), desc="repeats", disable=not progress):
+        for s in settings:  # interleaved, so drift affects every setting alike
+            _prefill_and_decode(model, ids, s, decode_tokens, dev)
+    if memory:
+        for s in tqdm(settings, desc="peak memory", disable=not progress):
+            s.extra["peak_mib"] = _peak_memory_mib(model_spec, s, batch, length, torch.get_num_threads(), dev)
+
+    dense = statistics.median(settings[0].prefill_s)
+    rows = []
+    for s in settings:
+        med = statistics.median(s.prefill_s)
+        lengths = s.extra.get("layer_lengths", [length] * model.config.num_hidden_layers)
+        row = {
+            "setting": s.name,
+            "token_reduction": s.token_reduction,
+            "prefill_s": _summary(s.prefill_s),
+            "prefill_tokens_per_s": batch * length / med,
+            "speedup_vs_dense": dense / med,
+            "decode_tokens_per_s": batch * decode_tokens / statistics.median(s.decode_s) if s.decode_s else None,
+            "reduction_overhead_share": statistics.median(s.overhead_s) / med if s.token_reduction else 0.0,
+            "layer_lengths": lengths,
+            "flops_reduction_exact": flops_reduction(model.config, lengths, length, batch=batch,
+                                                     lm_head_positions=1, dense_lm_head_positions=1),
+            "flops_reduction_proxy": proxy_flops_reduction(lengths, length),
+            "peak_mib": s.extra.get("peak_mib"),
+        }
+        if s.token_reduction:
+            f = s.token_reduction["flops_reduction"]
+            row["ideal_speedup"] = 1 / (1 - f)
+        rows.append(row)
+    if memory and rows[0]["peak_mib"]:
+        for row in rows:
+            row["peak_memory_saving"] = 1 - row["peak_mib"] / rows[0]["peak_mib"]
+    return {
+        "model": model_spec,
+        "batch": batch,
+        "length": length,
+        "method": method,
+        "repeats": repeats,
+        "warmup": warmup,
+        "decode_tokens": decode_tokens,
+        "threads": torch.get_num_threads(),
+        "device": str(dev) if dev.type != "cuda" else torch.cuda.get_device_name(dev),
+        "dtype": dtype,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "command": " ".join(["hf-tokred", "bench", *sys.argv[2:]]) if sys.argv[1:2] == ["bench"] else None,
+        "rows": rows,
+    }
+
+
+def format_table(result: dict[str, Any]) -> str:
+    head = (f"{result['model']}  batch {result['batch']} x {result['length']} tokens  {result['threads']} threads  "
+            f"{result['device']} {result['dtype']}  (median of {result['repeats']})")
+    cols = ["setting", "prefill s (min-max)", "tok/s", "speed-up", "ideal", "decode tok/s", "overhead",
+            "FLOPs red. exact/proxy", "peak MiB"]
+    lines = [head, "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in result["rows"]:
+        p = r["prefill_s"]
+        lines.append("| " + " | ".join([
+            r["setting"],
+            f"{p['median']:.3f} ({p['min']:.3f}-{p['max']:.3f})",
+            f"{r['prefill_tokens_per_s']:.0f}",
+            f"{r['speedup_vs_dense']:.2f}x",
+            f"{r['ideal_speedup']:.2f}x" if "ideal_speedup" in r else "-",
+            f"{r['decode_tokens_per_s']:.1f}" if r["decode_tokens_per_s"] else "-",
+            f"{r['reduction_overhead_share']:.1%}",
+            f"{r['flops_reduction_exact']:.1%} / {r['flops_reduction_proxy']:.1%}",
+            f"{r['peak_mib']:.0f}" if r.get("peak_mib") is not None else "-",
+        ]) + " |")
+    return "\n".join(lines)
+
+
+def _cmd(args: argparse.Namespace) -> int:
+    from .cli import UsageError
+
+    try:
+        flops = tuple(float(f) for f in args.flops.split(",")) if args.flops else ()
+    except ValueError:
+        raise UsageError(f"--flops must be comma-separated numbers like 0.1,0.2,0.3, got {args.flops!r}") from None
+    if any(not 0 < f < 1 for f in flops):
+        raise UsageError(f"--flops values must be in (0, 1), got {args.flops}")
+    if args.repeats < 1 or args.batch < 1 or args.length < 2:
+        raise UsageError("--repeats and --batch must be >= 1 and --length >= 2")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError("--device cuda requested but torch sees no CUDA device")
+    result = run_bench(args.model, args.batch, args.length, flops, args.method, args.repeats, args.warmup,
+                       args.decode_tokens, args.threads, args.compare_stock, args.memory, args.device, args.dtype)
+    print(format_table(result))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=2))
+        print(f"wrote {args.json}")
+    return 0
+
+
+def add_parser(sub) -> None:
+    from .cli import add_model_argument
+    from .config import METHODS
+
+    p = sub.add_parser(
+        "bench", help="measure prefill/decode speed, reduction overhead and peak memory, dense vs reduced",
+        description="Side-by-side speed and memory benchmark. Random-weight models of the real sizes are fine: "
+                    "speed does not depend on the weights. Example: hf-tokred bench --model random:mamba-130m "
+                    "--length 2048 --flops 0.1,0.2,0.3 --compare-stock --json runs/bench.json",
+    )
+    add_model_argument(p, default="random:mamba-130m")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--length", type=int, default=2048, help="prompt length (tokens)")
+    p.add_argument("--flops", default="0.1,0.2,0.3", help="FLOPs-reduction levels to compare with dense")
+    p.add_argument("--method", choices=sorted(METHODS), default="utrc")
+    p.add_argument("--repeats", type=int, default=3, help="timed repeats per setting (interleaved)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed warm-up rounds")
+    p.add_argument("--decode-tokens", type=int, default=16, help="decode steps timed after each prefill")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--compare-stock", action="store_true",
+                   help="also time stock transformers' own code paths (dense) in the same run")
+    p.add_argument("--memory", action="store_true",
+                   help="peak memory per setting (CPU: peak-RSS growth of one prefill in a fresh process)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    p.add_argument("--json", default=None, help="write the full result here")
+    p.set_defaults(func=_cmd)
