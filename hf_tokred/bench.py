@@ -46,7 +46,7 @@ def _timed_reduction(sink: list[float], device: torch.device):
     """Time spent choosing plans and applying them (the reduction's own cost) during one forward."""
     from . import patch
 
-    originals = patch.make_plan, patch.apply_plan
+    originals = patch.make_plan, patch._apply_both
     spent = [0.0]
 
     def timed(fn):
@@ -60,11 +60,11 @@ def _timed_reduction(sink: list[float], device: torch.device):
 
         return wrapper
 
-    patch.make_plan, patch.apply_plan = timed(originals[0]), timed(originals[1])
+    patch.make_plan, patch._apply_both = timed(originals[0]), timed(originals[1])
     try:
         yield
     finally:
-        patch.make_plan, patch.apply_plan = originals
+        patch.make_plan, patch._apply_both = originals
         sink.append(spent[0])
 
 

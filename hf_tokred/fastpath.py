@@ -1,17 +1,25 @@
-"""CPU fast paths installed into transformers' Mamba code (``import hf_tokred`` installs them).
+"""Fast paths installed into transformers' Mamba code (``import hf_tokred`` installs them).
 
-transformers' CPU fallback for the Mamba-1 selective scan steps through time in Python. We rebind the
+transformers' fallback for the Mamba-1 selective scan steps through time in Python. We rebind the
 module-level ``mamba_selective_scan`` (looked up as a global at call time by ``MambaMixer.forward``)
-to a dispatcher: CPU tensors go to :func:`hf_tokred.scan.selective_scan` (chunked, numerically equal
-to the stock loop), anything else keeps transformers' own choice (mamba-ssm's CUDA kernel when
-installed).  Dense and reduced runs use the same path.  Mamba-2 keeps transformers' chunked SSD code.
+to a dispatcher:
+
+* CPU tensors: :func:`hf_tokred.scan.selective_scan` (chunked torch, numerically equal to the stock loop);
+* CUDA tensors with ``mamba_ssm`` installed: transformers' own choice (mamba-ssm's CUDA kernel);
+* CUDA tensors without it: our Triton scan (:func:`hf_tokred.kernels.selective_scan_varlen`), never the
+  Python loop.
+
+Dense and reduced runs use the same path; the path taken is logged once (logger ``hf_tokred``).
+Mamba-2 keeps transformers' chunked SSD code (mamba-ssm's Triton kernels when installed).
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import logging
 
+import torch
 from transformers.models.mamba import modeling_mamba
 
 from .scan import selective_scan
@@ -29,12 +37,33 @@ def _log_once(path: str) -> None:
         logger.info("hf_tokred: Mamba-1 selective scan runs on the %s path", path)
 
 
+def _mamba_ssm_installed() -> bool:
+    return importlib.util.find_spec("mamba_ssm") is not None
+
+
+def _triton_scan(hidden_states, dt, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
+                 return_last_state=False, **_flags):
+    """transformers' ``[batch, d_inner, L]`` layout through the packed Triton kernel (every row full length)."""
+    from .kernels import pack_padded, selective_scan_varlen, unpack_padded
+
+    mask = torch.ones(hidden_states.shape[0], hidden_states.shape[-1], dtype=torch.bool, device=hidden_states.device)
+    pack = lambda x: None if x is None else pack_padded(x, mask)[0]  # noqa: E731
+    u, cu = pack_padded(hidden_states, mask)
+    y, state = selective_scan_varlen(u, pack(dt), A, pack(B), pack(C), cu, D=D, z=pack(z), dt_bias=delta_bias,
+                                     dt_softplus=delta_softplus)
+    y = unpack_padded(y, mask)
+    return (y, state) if return_last_state else y
+
+
 def mamba_selective_scan(hidden_states, *args, **kwargs):
-    """Dispatch transformers' Mamba-1 scan: our chunked torch scan on CPU, transformers' own elsewhere."""
+    """Dispatch transformers' Mamba-1 scan by device (see the module docstring)."""
     if hidden_states.device.type == "cpu":
         _log_once("hf_tokred chunked torch (CPU)")
         return selective_scan(hidden_states, *args, **kwargs)
-    _log_once(f"transformers ({hidden_states.device.type})")
+    if hidden_states.device.type == "cuda" and not _mamba_ssm_installed():
+        _log_once("hf_tokred Triton (CUDA)")
+        return _triton_scan(hidden_states, *args, **kwargs)
+    _log_once(f"transformers / mamba-ssm ({hidden_states.device.type})")
     return _STOCK["mamba_selective_scan"](hidden_states, *args, **kwargs)
 
 

@@ -197,7 +197,16 @@ def _anchor_block(block, hidden, cache, layer_mask, real, protected, cfg, keep_r
         plan = make_plan(h.detach(), real, protected, keep_ratio, spec.selection, cfg.metric, spec.pairs)
     if plan is None:
         return residual + h, None
-    return apply_plan(residual, plan, cfg.residual, cfg.q) + apply_plan(h, plan, cfg.hidden, cfg.q), plan
+    return _apply_both(residual, h, plan, cfg), plan
+
+
+def _apply_both(residual, h, plan: Plan, cfg: TokenReductionConfig) -> torch.Tensor:
+    """Reduce both branches with one plan and add them: one fused Triton kernel on CUDA, torch elsewhere."""
+    if h.device.type == "cuda":
+        from .kernels import fused_apply_plan
+
+        return fused_apply_plan(residual, h, plan, cfg.residual, cfg.hidden, cfg.q)[0]
+    return apply_plan(residual, plan, cfg.residual, cfg.q) + apply_plan(h, plan, cfg.hidden, cfg.q)
 
 
 def _reduced_backbone(

@@ -18,6 +18,7 @@ from transformers import (  # noqa: E402
 from transformers.utils import logging  # noqa: E402
 
 import hf_tokred  # noqa: E402,F401  (installs the hooks)
+from hf_tokred import fastpath  # noqa: E402
 
 logging.set_verbosity_error()
 torch.set_num_threads(1)
@@ -58,7 +59,8 @@ def stock_forward(model, *args, **kwargs):
     """Call the unpatched transformers forward of ``model`` with reduction off (the independent reference)."""
     settings = model.config.__dict__.pop("token_reduction", None)
     try:
-        return type(model).forward._hf_tokred_original(model, *args, **kwargs)
+        with fastpath.stock_kernels():
+            return type(model).forward._hf_tokred_original(model, *args, **kwargs)
     finally:
         if settings is not None:
             model.config.token_reduction = settings

@@ -33,3 +33,18 @@ def test_dense_model_and_cache_equal_stock_loop():
         assert torch.allclose(ours.cache.layers[layer].recurrent_states[0], ref.cache.layers[layer].recurrent_states[0],
                               atol=1e-5, rtol=0)
     assert torch.allclose(ours_step.logits, ref_step.logits, atol=1e-5, rtol=0)
+
+
+def test_cuda_without_mamba_ssm_routes_to_the_triton_scan(monkeypatch):
+    """The CUDA branch's layout conversion, run on CPU tensors through the same packed kernel API."""
+    torch.manual_seed(0)
+    b, d, n, L = 2, 8, 4, 13
+    u, dt, z = torch.randn(b, d, L), torch.randn(b, d, L), torch.randn(b, d, L)
+    A, B, C = -torch.rand(d, n) - 0.1, torch.randn(b, n, L), torch.randn(b, n, L)
+    D, bias = torch.randn(d), torch.randn(d)
+    with fastpath.stock_kernels():
+        ref_y, ref_s = modeling_mamba.mamba_selective_scan(u, dt, A, B, C, D=D, z=z, delta_bias=bias,
+                                                           delta_softplus=True, return_last_state=True)
+    y, s = fastpath._triton_scan(u, dt, A, B, C, D=D, z=z, delta_bias=bias, delta_softplus=True,
+                                 return_last_state=True, use_mambapy=False)
+    assert torch.allclose(y, ref_y, atol=1e-5) and torch.allclose(s, ref_s, atol=1e-5)

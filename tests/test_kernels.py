@@ -1,0 +1,454 @@
+"""Kernels against their torch references: the fused plan application and the varlen selective scans.
+
+Without a GPU the Triton kernels run in the Triton interpreter (``TRITON_INTERPRET=1``, set below
+before anything imports the kernel modules), so every shape here is tiny.  On a CUDA machine the same
+tests compile and run the real kernels on CUDA tensors.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import ast  # noqa: E402
+import logging  # noqa: E402
+import math  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
+from transformers.models.mamba.modeling_mamba import mamba_selective_scan  # noqa: E402
+
+from hf_tokred import reduce  # noqa: E402
+from hf_tokred.kernels import (  # noqa: E402
+    apply_plan_fused_reference,
+    cu_seqlens_from_lengths,
+    dispatch,
+    force_backend,
+    fused_apply_plan,
+    mamba2_chunk_scan_varlen,
+    pack_padded,
+    selective_scan_varlen,
+    selective_scan_varlen_ref,
+    ssd_varlen_ref,
+    ssd_varlen_torch,
+    unpack_padded,
+)
+from hf_tokred.scan import selective_scan  # noqa: E402
+
+torch.set_num_threads(1)
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+BACKENDS = ["triton", "torch"]
+needs_triton = pytest.mark.skipif(not dispatch.triton_available(), reason="triton is not installed")
+
+SELECTIONS = ["importance_similarity", "reference", "bipartite", "importance"]
+STRATEGY_PAIRS = [  # (residual, hidden): every strategy on both branches, incl. all the methods' pairs
+    ("merge", "hybrid"),
+    ("merge", "hybrid_channel"),
+    ("prune", "prune"),
+    ("merge", "merge"),
+    ("hybrid", "prune"),
+    ("hybrid_channel", "merge"),
+]
+
+
+def ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """One unit in the last place of ``dtype`` at the magnitude of ``x`` (fp32 values of that dtype)."""
+    fi = torch.finfo(dtype)
+    return torch.exp2(torch.floor(torch.log2(x.abs().clamp_min(fi.tiny)))) * fi.eps
+
+
+def assert_within_one_ulp(out: torch.Tensor, ref_fp32: torch.Tensor) -> None:
+    ref = ref_fp32.to(out.dtype).float()
+    diff = (out.float() - ref).abs()
+    bad = diff > ulp(ref, out.dtype)
+    assert not bad.any(), f"{int(bad.sum())} values off by more than one ulp; max diff {diff.max().item():.3g}"
+
+
+# ---------------------------------------------------------------------------------------------------
+# fused plan application
+
+
+def make_case(selection, lengths=(10, 7, 2), D=8, keep_ratio=0.6, seed=0, dtype=torch.float32, hid_dtype=None):
+    """Left-padded batch (rows of different real lengths), random branches, and a plan from make_plan."""
+    B, N = len(lengths), max(lengths)
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(B, N, D, generator=g)
+    res = torch.randn(B, N, D, generator=g)
+    mask = torch.arange(N)[None, :] >= (N - torch.tensor(lengths))[:, None]
+    protected = torch.zeros(B, N, dtype=torch.bool)
+    protected[:, -1] = True  # the last real token (left padding)
+    plan = reduce.make_plan(h, mask, protected, keep_ratio, selection, "clip", selection != "importance")
+    assert plan is not None
+    plan = reduce.Plan(*(getattr(plan, f).to(DEVICE) for f in plan.__dataclass_fields__))
+    res = res.to(DEVICE, dtype)
+    h = h.to(DEVICE, hid_dtype or dtype)
+    return res, h, mask.to(DEVICE), protected.to(DEVICE), plan
+
+
+@pytest.mark.parametrize("selection", SELECTIONS)
+@pytest.mark.parametrize("strategies", STRATEGY_PAIRS, ids="+".join)
+@needs_triton
+def test_fused_plan_matches_reference(selection, strategies):
+    res, h, mask, protected, plan = make_case(selection)
+    assert not bool(plan.keep_mask.all())  # the padded layout is exercised
+    N = mask.shape[1]
+    positions = torch.arange(N, device=DEVICE).expand_as(mask)
+    ref = apply_plan_fused_reference(res, h, plan, *strategies, q=0.5)
+    for backend in BACKENDS:
+        with force_backend(backend):
+            out, (m2, p2, pr2) = fused_apply_plan(
+                res, h, plan, *strategies, q=0.5, carry=(mask, positions, protected), fills=(False, -1, False)
+            )
+        assert out.dtype == torch.float32 and out.shape == ref.shape
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=0, msg=lambda m: f"{backend}: {m}")
+        assert torch.equal(m2, reduce.reduce_along(mask, plan, False)) and m2.dtype == torch.bool
+        assert torch.equal(p2, reduce.reduce_along(positions, plan, -1))
+        assert torch.equal(pr2, reduce.reduce_along(protected, plan, False))
+
+
+@needs_triton
+@pytest.mark.parametrize("q", [0.0, 0.3, 1.0])
+def test_fused_plan_hybrid_q(q):
+    res, h, _, _, plan = make_case("importance_similarity", lengths=(9, 9, 6), seed=1)
+    ref = apply_plan_fused_reference(res, h, plan, "hybrid_channel", "hybrid", q=q)
+    out, _ = fused_apply_plan(res, h, plan, "hybrid_channel", "hybrid", q=q)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+
+
+@needs_triton
+def test_fused_plan_strided_inputs_and_empty_rows():
+    res, h, _, _, plan = make_case("bipartite", lengths=(10, 0, 1, 4), seed=2)  # an all-padding row, a 1-token row
+    assert not bool(plan.keep_mask[1].any())
+    wide = torch.randn(res.shape[0], res.shape[1], 2 * res.shape[2], device=DEVICE)
+    res_v = wide[..., ::2]  # non-contiguous channels
+    h_v = h.transpose(0, 1).contiguous().transpose(0, 1)  # permuted strides
+    ref = apply_plan_fused_reference(res_v, h_v, plan, "merge", "hybrid_channel")
+    out, _ = fused_apply_plan(res_v, h_v, plan, "merge", "hybrid_channel")
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("strategies", [("merge", "hybrid_channel"), ("merge", "hybrid"), ("prune", "prune")],
+                         ids="+".join)
+def test_fused_plan_low_precision_within_one_ulp(dtype, strategies):
+    res, h, _, _, plan = make_case("importance_similarity", dtype=dtype, seed=3)
+    ref32 = apply_plan_fused_reference(res.float(), h.float(), plan, *strategies)
+    for backend in BACKENDS:
+        with force_backend(backend):
+            out, _ = fused_apply_plan(res, h, plan, *strategies)
+        assert out.dtype == dtype
+        assert_within_one_ulp(out, ref32)
+
+
+@needs_triton
+def test_fused_plan_fp32_residual_bf16_hidden():
+    res, h, _, _, plan = make_case("importance_similarity", hid_dtype=torch.bfloat16, seed=4)
+    assert res.dtype == torch.float32 and h.dtype == torch.bfloat16
+    out, _ = fused_apply_plan(res, h, plan, "merge", "hybrid")
+    assert out.dtype == (res + h).dtype == torch.float32
+    ref = apply_plan_fused_reference(res, h.float(), plan, "merge", "hybrid")
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+    # the unfused path rounds the hidden branch to bf16 first: the fused result is at most that far away
+    unfused = apply_plan_fused_reference(res, h, plan, "merge", "hybrid")
+    assert (out - unfused).abs().max() <= ulp(unfused, torch.bfloat16).max()
+
+
+@needs_triton
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fused_plan_gradients(backend):
+    res, h, _, _, plan = make_case("importance_similarity", seed=5)
+    strategies = ("merge", "hybrid_channel")
+    res1, h1 = res.clone().requires_grad_(), h.clone().requires_grad_()
+    res2, h2 = res.clone().requires_grad_(), h.clone().requires_grad_()
+    g = torch.randn(plan.keep.shape[0], plan.keep.shape[1], res.shape[-1], device=DEVICE)
+    ref = apply_plan_fused_reference(res1, h1, plan, *strategies)
+    ref_grads = torch.autograd.grad((ref * g).sum(), (res1, h1))
+    with force_backend(backend):
+        out, _ = fused_apply_plan(res2, h2, plan, *strategies)
+    grads = torch.autograd.grad((out * g).sum(), (res2, h2))
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+@needs_triton
+def test_fused_plan_opcheck():
+    res, h, mask, _, plan = make_case("importance_similarity", lengths=(6, 4), D=4, seed=6)
+    w_res = reduce._merge_weights(plan, "merge", 0.5, None)
+    w_hid = reduce._merge_weights(plan, "hybrid_channel", 0.5, reduce._take(h, plan.src))
+    aux = torch.stack([mask.long(), torch.arange(mask.shape[1], device=DEVICE).expand_as(mask)])
+    args = (res.requires_grad_(), h.requires_grad_(), plan.keep, plan.keep_mask, plan.src, plan.dst_slot,
+            w_res, w_hid, aux, [0, -1])
+    op = torch.ops.hf_tokred.apply_plan_fused.default
+    # schema, autograd registration and fake-vs-real metadata on the kernel path; the (slow, traced)
+    # AOT-dispatch check does not depend on the implementation, so it runs on the torch path
+    torch.library.opcheck(op, args, test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+    with force_backend("torch"):
+        torch.library.opcheck(op, args, test_utils="test_aot_dispatch_dynamic")
+
+
+@needs_triton
+def test_fused_plan_flops_counted():
+    res, h, _, _, plan = make_case("importance_similarity", seed=7)
+    with FlopCounterMode(display=False) as counter:
+        fused_apply_plan(res, h, plan, "merge", "hybrid")
+    B, M = plan.keep.shape
+    R, D = plan.src.shape[1], res.shape[-1]
+    assert counter.get_total_flops() == B * M * D + 2 * (2 * B * R * D + B * M * D) > 0
+
+
+def test_fused_plan_rejects_unknown_strategy():
+    res, h, _, _, plan = make_case("importance_similarity")
+    with pytest.raises(ValueError, match="unknown strategy"):
+        fused_apply_plan(res, h, plan, "average", "hybrid")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Mamba-1 selective scan (packed varlen)
+
+
+def scan_inputs(lengths, Dm=8, N=4, seed=0, dtype=torch.float32, full=True):
+    g = torch.Generator().manual_seed(seed)
+    T, S = sum(lengths), len(lengths)
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    kw = dict(
+        u=r(T, Dm), dt=r(T, Dm) - 1.0, A=-torch.exp(r(Dm, N)), B=r(T, N), C=r(T, N),
+        cu_seqlens=cu_seqlens_from_lengths(torch.tensor(lengths)),
+    )
+    if not full:  # no softplus: time steps must be positive
+        kw["dt"] = torch.nn.functional.softplus(kw["dt"])
+    if full:
+        kw.update(D=r(Dm), z=r(T, Dm), dt_bias=0.5 * r(Dm), dt_softplus=True, initial_state=r(S, Dm, N))
+    for k, v in kw.items():
+        if isinstance(v, torch.Tensor):
+            v = v.to(DEVICE)
+            kw[k] = v.to(dtype) if v.is_floating_point() and k in ("u", "dt", "B", "C", "z") else v
+    return kw
+
+
+@needs_triton
+@pytest.mark.parametrize("lengths", [(5, 0, 1, 9), (1, 1, 1), (12,)], ids=str)
+@pytest.mark.parametrize("full", [True, False], ids=["D-z-bias-softplus-h0", "bare"])
+def test_scan_varlen_matches_reference(lengths, full):
+    kw = scan_inputs(lengths, full=full, seed=len(lengths))
+    ref_y, ref_h = selective_scan_varlen_ref(**kw)
+    for backend in BACKENDS:
+        with force_backend(backend):
+            y, h = selective_scan_varlen(**kw)
+        assert y.dtype == kw["u"].dtype and h.dtype == torch.float32 and h.shape == ref_h.shape
+        torch.testing.assert_close(y, ref_y, atol=1e-5, rtol=1e-5, msg=lambda m: f"{backend} y: {m}")
+        torch.testing.assert_close(h, ref_h, atol=1e-5, rtol=1e-5, msg=lambda m: f"{backend} state: {m}")
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_scan_varlen_low_precision_within_one_ulp(dtype):
+    kw = scan_inputs((6, 1, 4), dtype=dtype, seed=11)
+    kw32 = {k: (v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v) for k, v in kw.items()}
+    ref_y, ref_h = selective_scan_varlen_ref(**kw32)
+    for backend in BACKENDS:
+        with force_backend(backend):
+            y, h = selective_scan_varlen(**kw)
+        assert y.dtype == dtype
+        assert_within_one_ulp(y, ref_y)
+        torch.testing.assert_close(h, ref_h, atol=1e-5, rtol=1e-5)
+
+
+def test_scan_reference_equals_transformers():
+    """The oracle is transformers' mamba_selective_scan, sequence by sequence (zero initial state)."""
+    kw = scan_inputs((7, 1, 4), seed=12)
+    kw["initial_state"] = None
+    y, h = selective_scan_varlen_ref(**kw)
+    cu = kw["cu_seqlens"].tolist()
+    for s in range(len(cu) - 1):
+        sl = slice(cu[s], cu[s + 1])
+        t = lambda x: x[sl].T[None]  # noqa: E731  [L, C] -> [1, C, L]
+        ys, hs = mamba_selective_scan(
+            t(kw["u"]), t(kw["dt"]), kw["A"], t(kw["B"]), t(kw["C"]), D=kw["D"], z=t(kw["z"]),
+            delta_bias=kw["dt_bias"], delta_softplus=True, return_last_state=True,
+        )
+        torch.testing.assert_close(y[sl], ys[0].T, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(h[s], hs[0], atol=1e-5, rtol=1e-5)
+
+
+def test_scan_reference_initial_state_chains():
+    """With initial states: equal to the chunked scan, and scanning a+b equals a, then b from a's state."""
+    kw = scan_inputs((10,), seed=13)
+    y, h = selective_scan_varlen_ref(**kw)
+    t = lambda x: x.T[None]  # noqa: E731
+    ys, hs = selective_scan(t(kw["u"]), t(kw["dt"]), kw["A"], t(kw["B"]), t(kw["C"]), D=kw["D"], z=t(kw["z"]),
+                            delta_bias=kw["dt_bias"], delta_softplus=True, return_last_state=True,
+                            initial_state=kw["initial_state"], chunk_size=3)
+    torch.testing.assert_close(y, ys[0].T, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(h, hs, atol=1e-5, rtol=1e-5)
+    split = {**kw, "cu_seqlens": torch.tensor([0, 4], device=DEVICE)}
+    split.update({k: kw[k][:4] for k in ("u", "dt", "B", "C", "z")})
+    y1, h1 = selective_scan_varlen_ref(**split)
+    split.update({k: kw[k][4:] for k in ("u", "dt", "B", "C", "z")}, cu_seqlens=torch.tensor([0, 6]), initial_state=h1)
+    y2, h2 = selective_scan_varlen_ref(**split)
+    torch.testing.assert_close(torch.cat([y1, y2]), y, atol=1e-6, rtol=0)
+    torch.testing.assert_close(h2, h, atol=1e-6, rtol=0)
+
+
+@needs_triton
+def test_scan_pack_left_padded_batch():
+    """Left-padded [B, D, L] rows -> packed -> scan -> unpacked equals transformers per row."""
+    g = torch.Generator().manual_seed(14)
+    Bn, Dm, L, N = 3, 4, 6, 2
+    mask = torch.arange(L)[None] >= torch.tensor([0, 2, 5])[:, None]
+    u, dt, z = (torch.randn(Bn, Dm, L, generator=g) for _ in range(3))
+    Bm, Cm = (torch.randn(Bn, N, L, generator=g) for _ in range(2))
+    A = -torch.rand(Dm, N, generator=g) - 0.1
+    packed = {k: pack_padded(v.to(DEVICE), mask.to(DEVICE))[0] for k, v in dict(u=u, dt=dt, z=z, B=Bm, C=Cm).items()}
+    cu = pack_padded(u, mask)[1]
+    y, h = selective_scan_varlen(packed["u"], packed["dt"], A.to(DEVICE), packed["B"], packed["C"], cu.to(DEVICE),
+                                 z=packed["z"], dt_softplus=True)
+    y = unpack_padded(y, mask.to(DEVICE)).cpu()
+    for b in range(Bn):
+        keep = mask[b]
+        ys, hs = mamba_selective_scan(u[b:b + 1, :, keep], dt[b:b + 1, :, keep], A, Bm[b:b + 1, :, keep],
+                                      Cm[b:b + 1, :, keep], z=z[b:b + 1, :, keep], delta_softplus=True,
+                                      return_last_state=True)
+        torch.testing.assert_close(y[b][:, keep], ys[0], atol=1e-5, rtol=1e-5)
+        assert bool((y[b][:, ~keep] == 0).all())
+        torch.testing.assert_close(h[b].cpu(), hs[0], atol=1e-5, rtol=1e-5)
+
+
+@needs_triton
+def test_scan_opcheck_and_flops():
+    kw = scan_inputs((3, 0, 2), Dm=4, N=2, seed=15)
+    args = (kw["u"], kw["dt"], kw["A"], kw["B"], kw["C"], kw["D"], kw["z"], kw["dt_bias"], kw["initial_state"],
+            kw["cu_seqlens"], True)
+    op = torch.ops.hf_tokred.selective_scan_varlen.default
+    torch.library.opcheck(op, args, test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+    with force_backend("torch"):
+        torch.library.opcheck(op, args, test_utils="test_aot_dispatch_dynamic")
+    with FlopCounterMode(display=False) as counter:
+        selective_scan_varlen(**kw)
+    T, Dm, N = 5, 4, 2
+    assert counter.get_total_flops() == 9 * T * Dm * N + 3 * T * Dm > 0
+
+
+# ---------------------------------------------------------------------------------------------------
+# Mamba-2 varlen (torch path; mamba_ssm glue against a stand-in)
+
+
+def ssd_inputs(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    T, S, H, P, G, N = sum(lengths), len(lengths), 4, 3, 2, 5
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    return dict(x=r(T, H, P), dt=r(T, H), A=-torch.rand(H, generator=g) * 2, B=r(T, G, N), C=r(T, G, N),
+                cu_seqlens=cu_seqlens_from_lengths(torch.tensor(lengths)), D=r(H), z=r(T, H, P), dt_bias=r(H),
+                initial_states=r(S, H, P, N), dt_softplus=True)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 4, 64])
+def test_ssd_torch_matches_step_reference(chunk_size):
+    kw = ssd_inputs((5, 0, 11, 1), seed=chunk_size)
+    ref_y, ref_h = ssd_varlen_ref(**kw)
+    y, h = ssd_varlen_torch(**kw, chunk_size=chunk_size)
+    torch.testing.assert_close(y, ref_y, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(h, ref_h, atol=1e-5, rtol=1e-5)
+    y2, h2 = mamba2_chunk_scan_varlen(**kw, chunk_size=chunk_size)  # CPU: the torch path
+    torch.testing.assert_close(y2, y, atol=0, rtol=0)
+
+
+def _fake_mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None,
+                                    seq_idx=None, cu_seqlens=None, dt_softplus=False, dt_limit=(0.0, math.inf),
+                                    return_final_states=False, return_varlen_states=False):
+    """Stand-in with mamba_ssm's semantics: batch 1, the state restarts at seq_idx changes, initial_states
+    only at the start of the row, varlen states per cu_seqlens."""
+    assert x.dim() == 4 and x.shape[0] == 1 and dt.shape == x.shape[:3] and B.dim() == 4
+    T = x.shape[1]
+    if seq_idx is not None:
+        change = torch.nonzero(seq_idx[0, 1:] != seq_idx[0, :-1]).flatten() + 1
+        bounds = torch.cat([torch.tensor([0]), change, torch.tensor([T])])
+    else:
+        bounds = torch.tensor([0, T])
+    h0 = None
+    if initial_states is not None:
+        h0 = torch.zeros(len(bounds) - 1, *initial_states.shape[1:])
+        h0[0] = initial_states[0]
+    y, finals = ssd_varlen_ref(x[0], dt[0], A, B[0], C[0], bounds, D=D, z=None if z is None else z[0], dt_bias=dt_bias,
+                               initial_states=h0, dt_softplus=dt_softplus, dt_limit=dt_limit)
+    out = [y[None]]
+    if return_final_states:
+        out.append(finals[-1:])
+    if return_varlen_states:
+        assert cu_seqlens is not None
+        nonempty = (cu_seqlens[1:] > cu_seqlens[:-1]).tolist()
+        it = iter(finals)
+        out.append(torch.stack([next(it) if ne else torch.zeros_like(finals[0]) for ne in nonempty]))
+    return tuple(out) if len(out) > 1 else out[0]
+
+
+@pytest.mark.parametrize("with_h0", [False, True])
+def test_mamba2_mamba_ssm_glue(monkeypatch, with_h0):
+    monkeypatch.setattr(dispatch, "mamba_ssm_chunk_scan", lambda: _fake_mamba_chunk_scan_combined)
+    kw = ssd_inputs((5, 3, 1), seed=21)
+    if not with_h0:
+        kw["initial_states"] = None
+    ref_y, ref_h = ssd_varlen_ref(**kw)
+    y, h = mamba2_chunk_scan_varlen(**kw, chunk_size=4, use_mamba_ssm=True)
+    torch.testing.assert_close(y, ref_y, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(h, ref_h, atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------
+# dispatch
+
+
+def test_dispatch_rules(monkeypatch, caplog):
+    monkeypatch.setattr(dispatch, "_logged", set())
+    monkeypatch.delenv("HF_TOKRED_KERNEL_BACKEND", raising=False)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with caplog.at_level(logging.INFO, logger="hf_tokred"):
+        assert dispatch.choose_backend("op", "cpu") == "torch"
+        assert dispatch.choose_backend("op", "cpu") == "torch"
+    assert len([r for r in caplog.records if "op runs on torch" in r.getMessage()]) == 1  # logged once
+    with pytest.raises(RuntimeError, match="needs a CUDA tensor"):
+        with force_backend("triton"):
+            dispatch.choose_backend("op", "cpu")
+    monkeypatch.setattr(dispatch, "triton_available", lambda: True)
+    assert dispatch.choose_backend("op", "cuda") == "triton"
+    monkeypatch.setattr(dispatch, "triton_available", lambda: False)
+    with pytest.raises(RuntimeError, match="needs Triton"):  # never a silent fallback on CUDA
+        dispatch.choose_backend("op", "cuda")
+    monkeypatch.setenv("HF_TOKRED_KERNEL_BACKEND", "torch")  # explicit opt-in only
+    assert dispatch.choose_backend("op", "cuda") == "torch"
+    monkeypatch.setenv("HF_TOKRED_KERNEL_BACKEND", "cuda")
+    with pytest.raises(ValueError, match="not a kernel backend"):
+        dispatch.choose_backend("op", "cpu")
+    monkeypatch.setenv("HF_TOKRED_KERNEL_BACKEND", "auto")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(dispatch, "triton_available", lambda: True)
+    assert dispatch.choose_backend("op", "cpu") == "triton"
+
+
+def test_no_hard_import_of_triton_or_mamba_ssm():
+    """The public kernel modules import neither at module level (the Triton ones load on first use)."""
+    root = Path(dispatch.__file__).parent
+    for name in ("__init__", "apply_plan", "selective_scan", "ssd", "dispatch"):
+        tree = ast.parse((root / f"{name}.py").read_text())
+        for node in tree.body:  # module level only
+            mods = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            assert not any(m.split(".")[0] in ("triton", "mamba_ssm") for m in mods), (name, mods)
+
+
+def test_runs_without_triton_or_mamba_ssm(monkeypatch):
+    monkeypatch.setitem(sys.modules, "triton", None)  # import triton -> ImportError, find_spec -> None
+    monkeypatch.setitem(sys.modules, "mamba_ssm", None)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert not dispatch.triton_available() and dispatch.mamba_ssm_chunk_scan() is None
+    assert dispatch.choose_backend("op", "cpu") == "torch"
+    with pytest.raises(RuntimeError, match="needs Triton"):
+        dispatch.choose_backend("op", "cuda")
+    kw = scan_inputs((3, 2), seed=30)
+    y, _ = selective_scan_varlen(**{k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in kw.items()})
+    assert torch.isfinite(y).all()
