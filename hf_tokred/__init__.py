@@ -7,6 +7,7 @@
 Importing the package installs the hooks that make ``token_reduction=`` work on transformers' own classes.
 """
 
+from .models import load_bundled, load_model
 from .config import METHODS, METRICS, STRATEGIES, ResolvedSchedule, TokenReductionConfig, default_anchors
 from .patch import (
     TokenReductionCausalLMOutput,
@@ -33,4 +34,6 @@ __all__ = [
     "default_anchors",
     "get_token_reduction",
     "install",
+    "load_bundled",
+    "load_model",
 ]

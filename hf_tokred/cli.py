@@ -14,7 +14,7 @@ import sys
 __all__ = ["main", "add_reduction_arguments", "reduction_from_args"]
 
 # modules whose add_parser(subparsers) registers subcommands
-SUBCOMMAND_MODULES = ("hf_tokred.cli", "hf_tokred.bench")
+SUBCOMMAND_MODULES = ("hf_tokred.cli", "hf_tokred.bench", "hf_tokred.evaluation.cli")
 
 
 class UsageError(Exception):
@@ -77,7 +77,7 @@ def _generate(args: argparse.Namespace) -> int:
 
     cfg = reduction_from_args(args)
     torch.manual_seed(args.seed)
-    model, tok = load_model(args.model, token_reduction=cfg)
+    model, tok = load_model(args.model, **({} if cfg is None else {"token_reduction": cfg}))
     enc = tok(args.prompt, return_tensors="pt")
     out = model.generate(**enc, max_new_tokens=args.max_new_tokens, do_sample=args.sample,
                          pad_token_id=tok.pad_token_id, return_dict_in_generate=True)

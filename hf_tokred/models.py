@@ -26,7 +26,10 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-__all__ = ["BUNDLED", "RANDOM_SHAPES", "bundled_path", "load_bundled", "load_model", "random_config"]
+__all__ = ["BUNDLED", "KEEP", "RANDOM_SHAPES", "bundled_path", "load_bundled", "load_model", "random_config"]
+
+#: ``load_model(..., token_reduction=KEEP)``: keep the settings saved in the checkpoint (if any).
+KEEP: Any = object()
 
 BUNDLED = ("mamba", "mamba2")
 
@@ -51,11 +54,15 @@ def bundled_path(family: str) -> Path:
     return path
 
 
+def _reduction_kwargs(token_reduction: Any) -> dict:
+    return {} if token_reduction is KEEP else {"token_reduction": token_reduction}
+
+
 def load_bundled(family: str = "mamba", token_reduction: Any = None, **kwargs):
     """``(model, tokenizer)`` for a bundled model; ``token_reduction`` as in ``from_pretrained``."""
     path = bundled_path(family)
     cls = MambaForCausalLM if family == "mamba" else Mamba2ForCausalLM
-    model = cls.from_pretrained(path, token_reduction=token_reduction, **kwargs).eval()
+    model = cls.from_pretrained(path, **_reduction_kwargs(token_reduction), **kwargs).eval()
     return model, AutoTokenizer.from_pretrained(path)
 
 
@@ -91,8 +98,12 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
                                    pad_token="<|padding|>", padding_side="left")
 
 
-def load_model(spec: str, token_reduction: Any = None, dtype: torch.dtype | None = None, seed: int = 0, **kwargs):
-    """``(model, tokenizer)`` for a model spec (see the module docstring); the model is in eval mode."""
+def load_model(spec: str, token_reduction: Any = KEEP, dtype: torch.dtype | None = None, seed: int = 0, **kwargs):
+    """``(model, tokenizer)`` for a model spec (see the module docstring); the model is in eval mode.
+
+    ``token_reduction``: a config or dict to apply, ``None`` for the dense model, or (default) ``KEEP``
+    to keep whatever the checkpoint's ``config.json`` says.
+    """
     name = spec.removeprefix("bundled:")
     if name in BUNDLED:
         return load_bundled(name, token_reduction=token_reduction, **({"dtype": dtype} if dtype else {}), **kwargs)
@@ -105,8 +116,10 @@ def load_model(spec: str, token_reduction: Any = None, dtype: torch.dtype | None
         model = cls(config).eval()
         if dtype is not None:
             model = model.to(dtype)
-        return apply_token_reduction(model, token_reduction), byte_tokenizer()
+        if token_reduction is not KEEP:
+            apply_token_reduction(model, token_reduction)
+        return model, byte_tokenizer()
     model = AutoModelForCausalLM.from_pretrained(
-        spec, token_reduction=token_reduction, **({"dtype": dtype} if dtype else {}), **kwargs
+        spec, **_reduction_kwargs(token_reduction), **({"dtype": dtype} if dtype else {}), **kwargs
     ).eval()
     return model, AutoTokenizer.from_pretrained(spec)

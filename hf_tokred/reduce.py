@@ -211,11 +211,15 @@ def make_plan(
     score = torch.zeros(B, R, device=device)
     for n in torch.unique(n_real[r_all > 0]).tolist():
         rows = ((n_real == n) & (r_all > 0)).nonzero().squeeze(1)
-        pos = mask[rows].nonzero()[:, 1].view(len(rows), n)  # real positions, ascending
-        sel = select(selection, _take(h[rows], pos), protected[rows].gather(1, pos), r_all[rows], metric)
+        if n == N and len(rows) == B:  # no padding anywhere: select on h itself, no copies
+            pos, h_rows, prot_rows = None, h, protected
+        else:
+            pos = mask[rows].nonzero()[:, 1].view(len(rows), n)  # real positions, ascending
+            h_rows, prot_rows = _take(h[rows], pos), protected[rows].gather(1, pos)
+        sel = select(selection, h_rows, prot_rows, r_all[rows], metric)
         k = sel.src.shape[1]
-        src[rows, :k] = pos.gather(1, sel.src)
-        dst[rows, :k] = pos.gather(1, sel.dst)
+        src[rows, :k] = sel.src if pos is None else pos.gather(1, sel.src)
+        dst[rows, :k] = sel.dst if pos is None else pos.gather(1, sel.dst)
         ok[rows, :k] = sel.valid
         score[rows, :k] = sel.score
     rows_of = torch.arange(B, device=device)[:, None]
@@ -274,7 +278,7 @@ def apply_plan(x: torch.Tensor, plan: Plan, strategy: str, q: float = 0.5) -> to
         acc.scatter_add_(1, slot.expand(-1, -1, x.shape[-1]), x_src.float() * w)
         den = torch.ones(*out.shape[:2], w.shape[-1], device=x.device)
         den.scatter_add_(1, slot.expand(-1, -1, w.shape[-1]), w)
-        out = (acc / den).to(x.dtype)
+        out = acc.div_(den).to(x.dtype)
     if not bool(plan.keep_mask.all()):
         out = out.masked_fill(~plan.keep_mask[..., None], 0)
     return out

