@@ -4,7 +4,8 @@ transformers' fallback for the Mamba-1 selective scan steps through time in Pyth
 module-level ``mamba_selective_scan`` (looked up as a global at call time by ``MambaMixer.forward``)
 to a dispatcher:
 
-* CPU tensors: :func:`hf_tokred.scan.selective_scan` (chunked torch, numerically equal to the stock loop);
+* CPU tensors: :func:`hf_tokred.scan.selective_scan` (chunked torch; equal to the stock loop in fp32 —
+  in bf16/fp16 it accumulates in fp32, so it is more accurate than the stock loop and differs slightly);
 * CUDA tensors with ``mamba_ssm`` installed: transformers' own choice (mamba-ssm's CUDA kernel);
 * CUDA tensors without it: our Triton scan (:func:`hf_tokred.kernels.selective_scan_varlen`), never the
   Python loop.

@@ -363,10 +363,12 @@ def _patch_lm_forward(cls) -> None:
         weight_dtype = self.lm_head.weight.dtype
 
         if isinstance(logits_to_keep, int):
-            keep_n = N if logits_to_keep == 0 else min(logits_to_keep, N)
-            cols = min(keep_n, r.hidden.shape[1])  # kept positions >= N - keep_n are the last columns
-            part = self.lm_head(r.hidden[:, -cols:].to(weight_dtype)).float() if cols else r.hidden[:, :0]
-            logits = _scatter_to_positions(part, r.positions[:, -cols:], keep_n, offset=N - keep_n)
+            # the same positions as transformers' slice(-logits_to_keep, None): [start, N)
+            start = max(N - logits_to_keep, 0) if logits_to_keep > 0 else min(-logits_to_keep, N)
+            keep_n = N - start
+            cols = min(keep_n, r.hidden.shape[1])  # kept positions >= start are the last columns
+            part = self.lm_head(r.hidden[:, r.hidden.shape[1] - cols :].to(weight_dtype)).float()
+            logits = _scatter_to_positions(part, r.positions[:, r.positions.shape[1] - cols :], keep_n, offset=start)
         else:
             logits = _scatter_to_positions(self.lm_head(r.hidden.to(weight_dtype)).float(), r.positions, N)
             logits = logits[:, logits_to_keep]

@@ -11,6 +11,9 @@ the Mamba mixers handle exactly, like left-padded input).
 
 Tie-breaking (deterministic): importance ties are broken by position (earlier = less important);
 similarity ties by the order of the less-important set; equal best matches pick the first candidate.
+Cosine similarities are snapped to a grid of ``_SIM_GRID`` before they are compared, so values that differ
+only by float rounding (e.g. runs of a repeated token, computed with or without padding / neighbours) are
+ties decided by position, not by rounding noise.
 """
 
 from __future__ import annotations
@@ -54,10 +57,21 @@ def _features(h: torch.Tensor, metric: str) -> torch.Tensor:
     return h / h.norm(dim=-1, keepdim=True).clamp_min(1e-12)
 
 
+#: Cosine similarities closer than this are ties (fp32 noise of a cosine is ~1e-7; 2**-16 ~ 1.5e-5).
+_SIM_GRID = 2.0**-16
+
+
+def _snap(sim: torch.Tensor) -> torch.Tensor:
+    """Round similarities to the tie grid (exact: the grid is a power of two)."""
+    return torch.round(sim / _SIM_GRID) * _SIM_GRID
+
+
 def num_to_remove(n_real: torch.Tensor, keep_ratio: float, pairs: bool) -> torch.Tensor:
     """Tokens to remove per row: ``n - ceil(n * keep_ratio)``, capped at ``n // 2`` when tokens are paired."""
     n = n_real.double()
-    r = n - torch.ceil(n * keep_ratio - 1e-9)
+    keep = torch.ceil(n * keep_ratio - 1e-9)
+    keep = torch.where(n > 0, keep.clamp_min(1), keep)  # a non-empty row keeps at least one token
+    r = n - keep
     if pairs:
         r = torch.minimum(r, torch.div(n_real, 2, rounding_mode="floor").double())
     return r.clamp_min(0).long()
@@ -100,7 +114,7 @@ def _select_importance_similarity(h, protected, r, metric) -> Selection:
     n_a = n - n // 2
     a, b = order[:, :n_a], order[:, n_a:]
     feat = _features(h, metric)
-    sim = _take(feat, a) @ _take(feat, b).transpose(1, 2)  # [g, |A|, |B|]
+    sim = _snap(_take(feat, a) @ _take(feat, b).transpose(1, 2))  # [g, |A|, |B|]
     best, match = sim.max(-1)
     best = best.masked_fill(protected.gather(1, a), -math.inf)
     sel, ok = _top_links(best, r)
@@ -116,7 +130,7 @@ def _select_reference(h, protected, r, metric) -> Selection:
     feat = _features(h, metric)
     ranked = torch.sort(feat, dim=1, descending=True, stable=True).values
     a, b = ranked[:, n // 2 :], ranked[:, : n // 2]
-    best, match = (a @ b.transpose(1, 2)).max(-1)
+    best, match = _snap(a @ b.transpose(1, 2)).max(-1)
     even = torch.arange(0, n, 2, device=h.device)
     best = best.masked_fill(protected[:, even], -math.inf)
     sel, ok = _top_links(best, r)
@@ -128,7 +142,7 @@ def _select_bipartite(h, protected, r, metric) -> Selection:
     """ToMe / PuMer: even tokens matched to odd tokens by cosine; the most similar pairs merge."""
     n = h.shape[1]
     feat = _features(h, metric)
-    best, match = (feat[:, 0::2] @ feat[:, 1::2].transpose(1, 2)).max(-1)
+    best, match = _snap(feat[:, 0::2] @ feat[:, 1::2].transpose(1, 2)).max(-1)
     best = best.masked_fill(protected[:, 0::2], -math.inf)
     sel, ok = _top_links(best, r)
     src = 2 * sel
