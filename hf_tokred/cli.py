@@ -1,7 +1,8 @@
 """The ``hf-tokred`` command.
 
 Each subcommand lives beside the code it drives and registers itself through ``add_parser(subparsers)``.
-Exit codes: 0 success, 2 bad usage or invalid settings (the message says which flag), 1 anything else.
+Exit codes: 0 success, 2 bad usage or invalid settings (the message says which flag), 1 anything else
+(e.g. a model or data file that cannot be found; one line on stderr says what).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import sys
 __all__ = ["main", "add_reduction_arguments", "reduction_from_args"]
 
 # modules whose add_parser(subparsers) registers subcommands
-SUBCOMMAND_MODULES = ("hf_tokred.cli", "hf_tokred.bench", "hf_tokred.evaluation.cli")
+SUBCOMMAND_MODULES = ("hf_tokred.cli", "hf_tokred.bench", "hf_tokred.evaluation.cli", "hf_tokred.hub")
 
 
 class UsageError(Exception):
@@ -164,7 +165,12 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as err:
         print(f"hf-tokred {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except (FileNotFoundError, OSError) as err:  # a model or data file that cannot be found or read
+        print(f"hf-tokred {args.command}: error: {err}", file=sys.stderr)
+        return 1
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # python -m hf_tokred.cli: run the package's module, not this __main__ copy
+    from hf_tokred.cli import main as _main
+
+    sys.exit(_main())

@@ -495,4 +495,7 @@ def install() -> None:
     _patch_model_from_pretrained()
     for auto_class in _auto_classes():
         _patch_auto_from_pretrained(auto_class)
+    from . import hub
+
+    hub.register()
     _INSTALLED = True
