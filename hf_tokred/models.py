@@ -110,6 +110,9 @@ def load_model(spec: str, token_reduction: Any = KEEP, dtype: torch.dtype | None
     if spec.startswith("random:"):
         from .patch import apply_token_reduction
 
+        if kwargs:
+            raise ValueError(f"random: models are built in memory and take no loading options; got {sorted(kwargs)}")
+
         config = random_config(spec.removeprefix("random:"))
         torch.manual_seed(seed)
         cls = MambaForCausalLM if config.model_type == "mamba" else Mamba2ForCausalLM

@@ -252,7 +252,9 @@ def _reduced_backbone(
         protected = real & (torch.arange(N, device=device)[None, :] == last[:, None])
         if protected_mask is not None:
             if protected_mask.shape != (B, N):
-                raise ValueError(f"protected_mask must have shape {(B, N)} (batch, sequence), got {tuple(protected_mask.shape)}")
+                raise ValueError(
+                    f"protected_mask must have shape {(B, N)} (batch, sequence), got {tuple(protected_mask.shape)}"
+                )
             protected |= protected_mask.to(device=device, dtype=torch.bool) & real
     positions = torch.arange(N, device=device).expand(B, N)
     mixer_kwargs = kwargs if family.mixer_takes_kwargs else {}
@@ -293,8 +295,12 @@ def _scatter_to_positions(values: torch.Tensor, positions: torch.Tensor, length:
 
 
 def _computed_mask(positions: torch.Tensor, length: int) -> torch.Tensor:
+    """``[B, length]`` bool: which input positions appear in ``positions`` (-1 = padding, ignored)."""
     mask = torch.zeros(positions.shape[0], length, dtype=torch.bool, device=positions.device)
-    return mask.scatter_(1, positions.clamp_min(0), positions >= 0) if positions.numel() else mask
+    ok = positions >= 0
+    rows = torch.arange(positions.shape[0], device=positions.device)[:, None].expand_as(positions)
+    mask[rows[ok], positions[ok]] = True
+    return mask
 
 
 # ----------------------------------------------------------------------------- patched forwards

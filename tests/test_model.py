@@ -204,3 +204,14 @@ def test_apply_rejects_unsupported_models_and_schedules(model):
     with pytest.raises(ValueError, match="protected_mask must have shape"):
         reduced(model, keep_ratio=0.9)
         model(torch.ones(1, 8, dtype=torch.long), protected_mask=torch.ones(1, 4, dtype=torch.bool))
+
+
+def test_computed_mask_ignores_padding_entries():
+    from hf_tokred.patch import _computed_mask, _scatter_to_positions
+
+    positions = torch.tensor([[-1, -1, 0, 3], [0, 1, 2, 3]])
+    assert _computed_mask(positions, 5).tolist() == [[True, False, False, True, False], [True, True, True, True, False]]
+    values = torch.arange(8.0).view(2, 4, 1)
+    out = _scatter_to_positions(values, positions, 3, offset=1)  # input positions 1..3
+    assert torch.equal(torch.isnan(out[..., 0]), torch.tensor([[True, True, False], [False, False, False]]))
+    assert out[0, 2, 0] == 3 and out[1, :, 0].tolist() == [5.0, 6.0, 7.0]

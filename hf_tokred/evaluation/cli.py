@@ -72,7 +72,7 @@ def _eval(args: argparse.Namespace) -> int:
 
     dtype = {"auto": None, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[args.dtype]
     try:
-        model, tokenizer = load_model(args.model, dtype=dtype)
+        model, tokenizer = load_model(args.model, dtype=dtype, **({"device_map": args.device_map} if args.device_map else {}))
     except (ValueError, FileNotFoundError, OSError) as err:
         raise UsageError(f"--model {args.model}: {err}") from None
     if cfg is not None:
@@ -82,11 +82,12 @@ def _eval(args: argparse.Namespace) -> int:
             apply_token_reduction(model, cfg)
         except (TypeError, ValueError) as err:
             raise UsageError(f"--flops-reduction/--keep-ratio/--anchors for --model {args.model}: {err}") from None
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
-    try:
-        model.to(device)
-    except (RuntimeError, AssertionError) as err:
-        raise UsageError(f"--device {args.device}: {err}") from None
+    if args.device_map is None:  # with --device-map, accelerate has already placed the blocks
+        device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+        try:
+            model.to(device)
+        except (RuntimeError, AssertionError) as err:
+            raise UsageError(f"--device {args.device}: {err}") from None
 
     result = evaluate_model(
         model, tokenizer, tasks, limit=limit, batch_size=batch_size, max_length=max_length,
@@ -157,6 +158,8 @@ def add_parser(sub) -> None:
     p.add_argument("--output", default="eval_results", help="folder for the JSON + CSV results (default: eval_results)")
     p.add_argument("--data-dir", default=None, help="offline data cache (default: $HF_TOKRED_DATA or ~/.cache/hf_tokred)")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
+    p.add_argument("--device-map", default=None,
+                   help="spread a model that does not fit one device with accelerate, e.g. auto (replaces --device)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
                    help="weights dtype (default: as stored)")
     p.add_argument("--no-fidelity", action="store_true",
