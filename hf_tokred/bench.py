@@ -12,7 +12,6 @@ import contextlib
 import json
 import multiprocessing
 import platform
-import resource
 import statistics
 import sys
 import time
@@ -109,7 +108,7 @@ def _layer_lengths(config, plans, length: int) -> list[int]:
 
 
 def _memory_probe(spec: str, setting: dict | None, stock: bool, batch: int, length: int, threads: int, q) -> None:
-    """Child process: peak RSS growth (MiB) of one prefill, beyond what loading and a small warm-up used."""
+    """Child process: peak RSS during one prefill minus the RSS just before it (MiB), via Linux's VmHWM reset."""
     torch.set_num_threads(threads)
     from .models import load_model
 
@@ -117,10 +116,18 @@ def _memory_probe(spec: str, setting: dict | None, stock: bool, batch: int, leng
     ids = torch.randint(2, model.config.vocab_size, (batch, length), generator=torch.Generator().manual_seed(0))
     with torch.no_grad(), _stock_paths(stock):
         model(ids[:, :64], use_cache=True, logits_to_keep=1)
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        before = _rss_kib("VmRSS")
+        Path("/proc/self/clear_refs").write_text("5")  # Linux: reset the peak-RSS counter (VmHWM)
         model(ids, use_cache=True, logits_to_keep=1)
-        after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        after = _rss_kib("VmHWM")
     q.put((after - before) / 1024.0)
+
+
+def _rss_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}; CPU peak memory needs Linux")
 
 
 def _peak_memory_mib(spec, setting: BenchSetting, batch, length, threads, device) -> float:
@@ -309,7 +316,8 @@ def add_parser(sub) -> None:
     p.add_argument("--compare-stock", action="store_true",
                    help="also time stock transformers' own code paths (dense) in the same run")
     p.add_argument("--memory", action="store_true",
-                   help="peak memory per setting (CPU: peak-RSS growth of one prefill in a fresh process)")
+                   help="peak memory per setting (CPU, Linux: peak RSS of one prefill above the RSS before it, "
+                        "in a fresh process)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     p.add_argument("--json", default=None, help="write the full result here")
