@@ -348,6 +348,11 @@ def _patch_backbone_forward(cls) -> None:
     cls.forward = forward
 
 
+_BACKBONE_KEYS = (
+    "input_ids", "inputs_embeds", "cache", "use_cache", "output_hidden_states", "attention_mask", "protected_mask"
+)
+
+
 def _patch_lm_forward(cls) -> None:
     original = cls.forward
     signature = inspect.signature(original)
@@ -362,30 +367,28 @@ def _patch_lm_forward(cls) -> None:
         labels, logits_to_keep = p.pop("labels"), p.pop("logits_to_keep")
         return_dict = p.pop("return_dict")
         return_dict = return_dict if return_dict is not None else self.config.return_dict
-        backbone_keys = ("input_ids", "inputs_embeds", "cache", "use_cache", "output_hidden_states", "attention_mask", "protected_mask")
-        loss_kwargs = {k: v for k, v in p.items() if k not in backbone_keys}
-        r = _reduced_backbone(self.backbone, *active, **{k: p.get(k) for k in backbone_keys})
+        loss_kwargs = {k: v for k, v in p.items() if k not in _BACKBONE_KEYS}
+        r = _reduced_backbone(self.backbone, *active, **{k: p.get(k) for k in _BACKBONE_KEYS})
         N = (p["input_ids"] if p["input_ids"] is not None else p["inputs_embeds"]).shape[1]
-        weight_dtype = self.lm_head.weight.dtype
+        M = r.hidden.shape[1]
+        head = lambda h: self.lm_head(h.to(self.lm_head.weight.dtype)).float()  # noqa: E731
+        every = head(r.hidden) if labels is not None or not isinstance(logits_to_keep, int) else None
 
         if isinstance(logits_to_keep, int):
             # the same positions as transformers' slice(-logits_to_keep, None): [start, N)
             start = max(N - logits_to_keep, 0) if logits_to_keep > 0 else min(-logits_to_keep, N)
-            keep_n = N - start
-            cols = min(keep_n, r.hidden.shape[1])  # kept positions >= start are the last columns
-            part = self.lm_head(r.hidden[:, r.hidden.shape[1] - cols :].to(weight_dtype)).float()
-            logits = _scatter_to_positions(part, r.positions[:, r.positions.shape[1] - cols :], keep_n, offset=start)
+            cols = min(N - start, M)  # kept positions >= start are the last columns
+            part = every[:, M - cols :] if every is not None else head(r.hidden[:, M - cols :])
+            logits = _scatter_to_positions(part, r.positions[:, M - cols :], N - start, offset=start)
         else:
-            logits = _scatter_to_positions(self.lm_head(r.hidden.to(weight_dtype)).float(), r.positions, N)
-            logits = logits[:, logits_to_keep]
+            logits = _scatter_to_positions(every, r.positions, N)[:, logits_to_keep]
 
         loss = None
         if labels is not None:
-            compact = self.lm_head(r.hidden.to(weight_dtype)).float()
             shifted = F.pad(labels[:, 1:], (0, 1), value=-100).to(r.positions.device)
             shift_labels = shifted.gather(1, r.positions.clamp_min(0)).masked_fill(r.positions < 0, -100)
             loss = self.loss_function(
-                logits=compact, labels=None, shift_labels=shift_labels, vocab_size=self.config.vocab_size, **loss_kwargs
+                logits=every, labels=None, shift_labels=shift_labels, vocab_size=self.config.vocab_size, **loss_kwargs
             )
         if not return_dict:
             out = tuple(v for v in (logits, r.cache, r.all_hidden) if v is not None)
