@@ -4,7 +4,8 @@ transformers' fallback for the Mamba-1 selective scan steps through time in Pyth
 module-level ``mamba_selective_scan`` (looked up as a global at call time by ``MambaMixer.forward``)
 to a dispatcher:
 
-* CPU tensors: :func:`hf_tokred.scan.selective_scan` (chunked torch; equal to the stock loop in fp32 —
+* CPU tensors: the compiled scan of :mod:`hf_tokred.cpu_kernel` when it can be built and no gradient is
+  needed, else :func:`hf_tokred.scan.selective_scan` (chunked torch; both equal the stock loop in fp32 —
   in bf16/fp16 it accumulates in fp32, so it is more accurate than the stock loop and differs slightly);
 * CUDA tensors with ``mamba_ssm`` installed: transformers' own choice (mamba-ssm's CUDA kernel);
 * CUDA tensors without it: our Triton scan (:func:`hf_tokred.kernels.selective_scan_varlen`), never the
@@ -23,6 +24,7 @@ import logging
 import torch
 from transformers.models.mamba import modeling_mamba
 
+from . import cpu_kernel
 from .scan import selective_scan
 
 __all__ = ["install", "mamba_selective_scan", "stock_kernels"]
@@ -59,6 +61,12 @@ def _triton_scan(hidden_states, dt, A, B, C, D=None, z=None, delta_bias=None, de
 def mamba_selective_scan(hidden_states, *args, **kwargs):
     """Dispatch transformers' Mamba-1 scan by device (see the module docstring)."""
     if hidden_states.device.type == "cpu":
+        needs_grad = torch.is_grad_enabled() and (hidden_states.requires_grad or any(
+            isinstance(a, torch.Tensor) and a.requires_grad for a in (*args, *kwargs.values())))
+        if not needs_grad and cpu_kernel.available():
+            _log_once("hf_tokred compiled (CPU)")
+            kwargs = {k: v for k, v in kwargs.items() if k not in ("use_mambapy", "use_associative_scan")}
+            return cpu_kernel.selective_scan_cpu(hidden_states, *args, **kwargs)
         _log_once("hf_tokred chunked torch (CPU)")
         return selective_scan(hidden_states, *args, **kwargs)
     if hidden_states.device.type == "cuda" and not _mamba_ssm_installed():

@@ -59,8 +59,12 @@ def _reduction_kwargs(token_reduction: Any) -> dict:
 
 
 def load_bundled(family: str = "mamba", token_reduction: Any = None, **kwargs):
-    """``(model, tokenizer)`` for a bundled model; ``token_reduction`` as in ``from_pretrained``."""
+    """``(model, tokenizer)`` for a bundled model; ``token_reduction`` as in ``from_pretrained``.
+
+    The weights are stored in fp16 and loaded as fp32 unless ``dtype=`` says otherwise (CPU-friendly).
+    """
     path = bundled_path(family)
+    kwargs.setdefault("dtype", torch.float32)
     cls = MambaForCausalLM if family == "mamba" else Mamba2ForCausalLM
     model = cls.from_pretrained(path, **_reduction_kwargs(token_reduction), **kwargs).eval()
     return model, AutoTokenizer.from_pretrained(path)
@@ -106,7 +110,7 @@ def load_model(spec: str, token_reduction: Any = KEEP, dtype: torch.dtype | None
     """
     name = spec.removeprefix("bundled:")
     if name in BUNDLED:
-        return load_bundled(name, token_reduction=token_reduction, **({"dtype": dtype} if dtype else {}), **kwargs)
+        return load_bundled(name, **_reduction_kwargs(token_reduction), **({"dtype": dtype} if dtype else {}), **kwargs)
     if spec.startswith("random:"):
         from .patch import apply_token_reduction
 

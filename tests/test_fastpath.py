@@ -48,3 +48,28 @@ def test_cuda_without_mamba_ssm_routes_to_the_triton_scan(monkeypatch):
     y, s = fastpath._triton_scan(u, dt, A, B, C, D=D, z=z, delta_bias=bias, delta_softplus=True,
                                  return_last_state=True, use_mambapy=False)
     assert torch.allclose(y, ref_y, atol=1e-5) and torch.allclose(s, ref_s, atol=1e-5)
+
+
+def test_compiled_cpu_scan_equals_stock_loop():
+    """The compiled CPU kernel (built on first use) against transformers' loop, with every option."""
+    from hf_tokred import cpu_kernel
+
+    assert cpu_kernel.available(), "the C++ scan must build on this machine (gcc + ninja are installed by CI)"
+    torch.manual_seed(3)
+    b, d, n, L = 2, 24, 16, 77
+    u, dt, z = torch.randn(b, d, L), torch.randn(b, d, L), torch.randn(b, d, L)
+    A, B, C = -torch.rand(d, n) * 3 - 0.1, torch.randn(b, n, L), torch.randn(b, n, L)
+    D, bias = torch.randn(d), torch.randn(d)
+    with fastpath.stock_kernels():
+        ref_y, ref_s = modeling_mamba.mamba_selective_scan(u, dt, A, B, C, D=D, z=z, delta_bias=bias,
+                                                           delta_softplus=True, return_last_state=True)
+    y, s = cpu_kernel.selective_scan_cpu(u, dt, A, B, C, D=D, z=z, delta_bias=bias, delta_softplus=True,
+                                         return_last_state=True)
+    assert torch.allclose(y, ref_y, atol=1e-5) and torch.allclose(s, ref_s, atol=1e-5)
+    # an initial state continues a sequence: two halves chained equal the whole
+    y1, s1 = cpu_kernel.selective_scan_cpu(u[..., :40], dt[..., :40], A, B[..., :40], C[..., :40],
+                                           delta_softplus=True, return_last_state=True)
+    y2, s2 = cpu_kernel.selective_scan_cpu(u[..., 40:], dt[..., 40:], A, B[..., 40:], C[..., 40:],
+                                           delta_softplus=True, return_last_state=True, initial_state=s1)
+    whole_y, whole_s = cpu_kernel.selective_scan_cpu(u, dt, A, B, C, delta_softplus=True, return_last_state=True)
+    assert torch.allclose(torch.cat([y1, y2], -1), whole_y, atol=1e-5) and torch.allclose(s2, whole_s, atol=1e-5)

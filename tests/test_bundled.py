@@ -1,0 +1,32 @@
+"""The bundled default models load offline from the package and reduce end to end."""
+
+import pytest
+import torch
+from transformers import Mamba2ForCausalLM, MambaForCausalLM
+
+import hf_tokred
+from hf_tokred import TokenReductionConfig
+
+
+@pytest.mark.parametrize("family,cls", [("mamba", MambaForCausalLM), ("mamba2", Mamba2ForCausalLM)])
+def test_bundled_model_loads_and_reduces(family, cls):
+    model, tok = hf_tokred.load_bundled(family)
+    assert type(model) is cls and model.config.num_hidden_layers >= 12
+    assert getattr(model.config, "token_reduction", None) is None
+    prompt = ("The history of the city is long. The people who lived there built roads, schools and a large "
+              "market by the river, and the town grew during the nineteenth century when the railway came")
+    enc = tok(prompt, return_tensors="pt")
+    assert enc["input_ids"].shape[1] >= 30
+    with torch.no_grad():
+        dense = model(**enc).logits
+        hf_tokred.apply_token_reduction(model, TokenReductionConfig(flops_reduction=0.2))
+        out = model(**enc)
+    assert out.plans, "a 20 % FLOPs target reduces this prompt"
+    assert torch.isfinite(out.logits[:, -1]).all()
+    # A trained model: the reduced next-token distribution stays close to the dense one.
+    p, q = dense[:, -1].log_softmax(-1), out.logits[:, -1].log_softmax(-1)
+    assert torch.nn.functional.kl_div(q, p, log_target=True, reduction="batchmean") < 1.0
+    reduced, _ = hf_tokred.load_bundled(family, token_reduction={"method": "tome", "flops_reduction": 0.1})
+    assert hf_tokred.get_token_reduction(reduced).method == "tome"
+    text = tok.decode(model.generate(**enc, max_new_tokens=5, do_sample=False)[0], skip_special_tokens=True)
+    assert text.startswith("The history of the city") and len(text) > len(prompt)
