@@ -15,7 +15,8 @@ import os
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
+
+from .scan import finish_output, prepare_dt
 
 __all__ = ["available", "selective_scan_cpu"]
 
@@ -51,20 +52,12 @@ def selective_scan_cpu(hidden_states, dt, A, B, C, D=None, z=None, delta_bias=No
                        return_last_state=False, initial_state=None):
     """Same contract as :func:`hf_tokred.scan.selective_scan` (fp32 inside, ``y`` in the input dtype)."""
     u = hidden_states.float().contiguous()
-    dt = dt.float()
-    if delta_bias is not None:
-        dt = dt + delta_bias.float()[:, None]
-    if delta_softplus:
-        dt = F.softplus(dt)
+    dt = prepare_dt(dt, delta_bias, delta_softplus)
     batch, d_inner, _ = u.shape
     h0 = (torch.zeros(batch, d_inner, A.shape[-1]) if initial_state is None else initial_state.float()).contiguous()
     y, state = _extension().selective_scan_fwd(
         u, dt.contiguous(), A.float().contiguous(), B.float().transpose(1, 2).contiguous(),
         C.float().transpose(1, 2).contiguous(), h0,
     )
-    if D is not None:
-        y = y + u * D.float()[:, None]
-    if z is not None:
-        y = y * F.silu(z.float())
-    y = y.to(hidden_states.dtype)
+    y = finish_output(y, u, D, z, hidden_states.dtype)
     return (y, state) if return_last_state else y

@@ -37,7 +37,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-__all__ = ["DEFAULT_CHUNK_SIZE", "selective_scan"]
+__all__ = ["DEFAULT_CHUNK_SIZE", "finish_output", "prepare_dt", "selective_scan"]
 
 #: Default chunk length. The two passes cost ``T`` and ``L / T`` Python-level steps, so the
 #: best ``T`` is near ``sqrt(L)``. On a 130m-shaped layer (d_inner 1536, N 16, one CPU thread)
@@ -121,10 +121,7 @@ def selective_scan(
         return (hidden_states.clone(), state.clone()) if return_last_state else hidden_states.clone()
     A = A.float()
     dt = dt.float()
-    if delta_bias is not None:
-        dt = dt + delta_bias.float()[:, None]
-    if delta_softplus:
-        dt = F.softplus(dt)
+    dt = prepare_dt(dt, delta_bias, delta_softplus)
 
     # Balanced chunks: n_chunks * chunk >= length with less than one padded step per chunk.
     # Padded steps have dt = 0 (decay 1, input 0), so they leave the state unchanged.
@@ -160,9 +157,22 @@ def selective_scan(
         state = next_state
 
     y = y.view(batch, n_chunks * chunk, d_inner)[:, :length].transpose(1, 2).contiguous()
+    y = finish_output(y, u, D, z, hidden_states.dtype)
+    return (y, state) if return_last_state else y
+
+
+def prepare_dt(dt: torch.Tensor, delta_bias: torch.Tensor | None, delta_softplus: bool) -> torch.Tensor:
+    """``softplus(dt + bias)`` in fp32 (each step optional), for ``dt`` of shape ``[batch, d_inner, L]``."""
+    dt = dt.float()
+    if delta_bias is not None:
+        dt = dt + delta_bias.float()[:, None]
+    return F.softplus(dt) if delta_softplus else dt
+
+
+def finish_output(y, u, D, z, dtype) -> torch.Tensor:
+    """``(y + D * u) * silu(z)`` (each optional) cast to ``dtype``; ``[batch, d_inner, L]`` tensors."""
     if D is not None:
         y = y + u * D.float()[:, None]
     if z is not None:
         y = y * F.silu(z.float())
-    y = y.to(hidden_states.dtype)
-    return (y, state) if return_last_state else y
+    return y.to(dtype)
