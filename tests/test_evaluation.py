@@ -288,3 +288,72 @@ def test_dense_scoring_matches_stock_model():
             logits = model(input_ids=torch.tensor([inp])).logits[0, -len(cont):]
         expected = float(F.log_softmax(logits.float(), -1).gather(1, torch.tensor(cont)[:, None]).sum())
         assert ll == pytest.approx(expected, abs=1e-4)
+
+
+# ----------------------------------------------------------------------------- data parallel
+
+
+def test_data_parallel_eval_matches_one_process(data_root, tmp_path):
+    """Two gloo processes (torchrun, what `accelerate launch --multi_gpu` runs underneath) give rank 0 the same
+    accuracies, FLOPs, scoring counts and fidelity columns as one process.  --limit 5 splits 3/2 documents, so
+    lm-eval pads rank 1 with copies of its last request: those must not be counted twice."""
+    import os
+    import sys
+
+    common = ["--model", "bundled:mamba", "--flops-reduction", "0.2", "--tasks", "arc_easy,piqa", "--limit", "5",
+              "--batch-size", "4", "--max-length", "256", "--bootstrap-iters", "0", "--json"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # the data_root fixture fetched into the default cache
+    results = {}
+    for name, launcher in (("one", [sys.executable, "-m", "hf_tokred.cli"]),
+                           ("two", [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                                    "--standalone", "-m", "hf_tokred.cli"])):
+        out = tmp_path / name
+        proc = subprocess.run([*launcher, "eval", *common, "--output", str(out)], env=env, capture_output=True,
+                              text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        rows = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+        assert len(rows) == 1, proc.stdout  # only rank 0 prints
+        [path] = out.glob("*.json")
+        results[name] = json.loads(path.read_text())
+    one, two = results["one"], results["two"]
+    assert one["processes"] == 1 and two["processes"] == 2
+    for task in ("arc_easy", "piqa"):
+        assert two["tasks"][task]["documents"] == 5
+        assert two["tasks"][task]["metrics"]["acc"] == one["tasks"][task]["metrics"]["acc"]
+    assert two["flops"] == one["flops"] and two["scoring"] == one["scoring"]
+    assert two["flops"]["rows"] == 5 * 4 + 5 * 2  # arc_easy: 4 choices, piqa: 2 -- no padded request counted
+    for key in ("passages", "positions_total", "positions_compared", "flops_exact"):
+        assert two["fidelity"][key] == one["fidelity"][key]
+    for key in ("top1_agreement", "kl_mean"):
+        assert two["fidelity"][key] == pytest.approx(one["fidelity"][key], rel=1e-5)
+
+
+@pytest.mark.parametrize("flag, needle", [(["--device-map", "auto"], "--device-map cannot be combined"),
+                                          (["--device", "cpu"], "leave --device at auto")])
+def test_data_parallel_usage_errors(flag, needle, monkeypatch, capsys, data_root):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert run_cli(["eval", "--model", "random:mamba-tiny", "--tasks", "arc_easy", "--limit", "2", *flag]) == 2
+    assert needle in capsys.readouterr().out
+
+
+def test_data_parallel_padding_is_not_run():
+    """lm-eval pads a rank with copies of its last request; they get answers but are not run (nor metered)."""
+    from types import SimpleNamespace
+
+    model, tok = _tiny(None)
+    lm = lm_class()(model, tok, batch_size=2)
+    a, b = SimpleNamespace(repeats=1), SimpleNamespace(repeats=1)
+    seen = []
+
+    def run(reqs):
+        seen.append(list(reqs))
+        return [f"r{i}" for i in range(len(reqs))]
+
+    assert lm._without_padding([a, b, b, b], run) == ["r0", "r1", "r2", "r3"] and seen[-1] == [a, b, b, b]
+    lm._world_size = 2
+    assert lm._without_padding([a, b, b, b], run) == ["r0", "r1", "r1", "r1"] and seen[-1] == [a, b]
+    lm._world_size = 1
+    assert lm._without_padding([a, b, b, b], run) == ["r0", "r1", "r2", "r3"] and seen[-1] == [a, b, b, b]
+    lm._world_size = 2
+    c = SimpleNamespace(repeats=2)  # a request that legitimately repeats is run that many times
+    assert len(lm._without_padding([a, c, c, c], run)) == 4 and seen[-1] == [a, c, c]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 
 from ..cli import UsageError, add_model_argument, add_reduction_arguments, reduction_from_args
@@ -68,8 +69,18 @@ def _eval(args: argparse.Namespace) -> int:
     import torch
 
     from ..models import load_model
-    from .harness import evaluate_model, format_row
+    from .harness import data_parallel_accelerator, evaluate_model, format_row
 
+    accelerator = None
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # accelerate launch / torchrun: one process per device
+        if args.device_map is not None:
+            raise UsageError("--device-map cannot be combined with a data-parallel launch (accelerate launch / "
+                             "torchrun with several processes): run one process with --device-map for a model "
+                             "that does not fit one device, or launch several processes without it")
+        if args.device != "auto":
+            raise UsageError(f"--device {args.device}: in a data-parallel launch each process uses its own device "
+                             "(cuda:LOCAL_RANK, or cpu); leave --device at auto")
+        accelerator = data_parallel_accelerator()
     dtype = {"auto": None, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[args.dtype]
     try:
         model, tokenizer = load_model(args.model, dtype=dtype, **({"device_map": args.device_map} if args.device_map else {}))
@@ -84,6 +95,8 @@ def _eval(args: argparse.Namespace) -> int:
             raise UsageError(f"--flops-reduction/--keep-ratio/--anchors for --model {args.model}: {err}") from None
     if args.device_map is None:  # with --device-map, accelerate has already placed the blocks
         device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+        if accelerator is not None:
+            device = accelerator.device
         try:
             model.to(device)
         except (RuntimeError, AssertionError) as err:
@@ -92,8 +105,10 @@ def _eval(args: argparse.Namespace) -> int:
     result = evaluate_model(
         model, tokenizer, tasks, limit=limit, batch_size=batch_size, max_length=max_length,
         data_dir=args.data_dir, output=args.output, model_name=args.model, fidelity=not args.no_fidelity,
-        bootstrap_iters=args.bootstrap_iters,
+        bootstrap_iters=args.bootstrap_iters, accelerator=accelerator,
     )
+    if result is None:  # a data-parallel worker other than rank 0: rank 0 prints and saves
+        return 0
     for entry in result["tasks"].values():
         if entry["status"] != "ok":
             print(f"note: {entry['note']}", file=sys.stderr)
@@ -145,7 +160,9 @@ def add_parser(sub) -> None:
                     "`hf-tokred data`; lambada_openai needs the Hugging Face Hub and is reported as missing "
                     "offline. Also measures the FLOPs reduction on the evaluated sequences and, on held-out BoolQ "
                     "passages, top-1 agreement and KL(dense || reduced).",
-        epilog="Example: hf-tokred eval --model bundled:mamba --flops-reduction 0.2 --tasks piqa,arc_easy --limit 200",
+        epilog="Example: hf-tokred eval --model bundled:mamba --flops-reduction 0.2 --tasks piqa,arc_easy --limit 200.   "
+               "Data parallel (one process per GPU; rank 0 prints and saves): accelerate launch --multi_gpu "
+               "--num_processes 8 -m hf_tokred.cli eval --model state-spaces/mamba-2.8b-hf --flops-reduction 0.2",
     )
     add_model_argument(p)
     p.add_argument("--tasks", default=_DEFAULT_TASKS,

@@ -106,6 +106,34 @@ def reduction_disabled(model):
             apply_token_reduction(model, cfg)
 
 
+def data_parallel_accelerator(cpu: bool | None = None):
+    """accelerate's ``Accelerator`` when this process is one of several data-parallel workers, else ``None``.
+
+    Launchers (``accelerate launch --multi_gpu``, ``torchrun``) set ``WORLD_SIZE`` > 1; each process then scores
+    its own share of every task's documents (and of the held-out passages) and rank 0 gathers the results.
+    ``cpu`` (default: when CUDA is unavailable) selects the gloo backend, so this runs on CPU machines too.
+    """
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return None
+    from datetime import timedelta
+
+    from accelerate import Accelerator
+    from accelerate.utils import InitProcessGroupKwargs
+
+    cpu = (not torch.cuda.is_available()) if cpu is None else cpu
+    return Accelerator(cpu=cpu, kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(hours=24))])
+
+
+def _check_placement(model, accelerator) -> None:
+    if getattr(model, "hf_device_map", None) and len(set(model.hf_device_map.values())) > 1:
+        raise ValueError("data-parallel evaluation (several launched processes) cannot be combined with a model "
+                         "spread by device_map; launch one process, or load the whole model on each process's device")
+    have, want = next(model.parameters()).device, accelerator.device
+    if have.type != want.type or (want.type != "cpu" and have.index != want.index):
+        raise ValueError(f"process {accelerator.process_index} of a data-parallel launch has its model on {have}, "
+                         f"expected {want}: move it with model.to(accelerator.device) before evaluating")
+
+
 # ----------------------------------------------------------------------------- FLOPs of what ran
 
 
@@ -149,6 +177,16 @@ class FlopsMeter:
             acc[3] += sum(lengths)
             acc[4] += 1
             acc[5] += n
+
+    def state(self) -> dict[str, list[int]]:
+        return {k: list(v) for k, v in self._acc.items()}
+
+    def merge(self, state: dict[str, Sequence[int]]) -> None:
+        """Add another meter's :meth:`state` (e.g. gathered from another data-parallel process)."""
+        for group, values in state.items():
+            acc = self._acc[group]
+            for i, v in enumerate(values):
+                acc[i] += v
 
     @staticmethod
     def _summary(acc: Sequence[int]) -> dict[str, Any]:
@@ -197,12 +235,20 @@ def _hflm_class():
         ``lm.flops`` (a :class:`FlopsMeter`) and ``lm.scoring`` (counts) describe the forwards that ran.
         """
 
-        def __init__(self, model, tokenizer, batch_size: int = 8, max_length: int = 2048, logits_cache: bool = True):
+        def __init__(self, model, tokenizer, batch_size: int = 8, max_length: int = 2048, logits_cache: bool = True,
+                     accelerator=None):
             if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
                 raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
             with _lm_eval_quiet():
                 super().__init__(pretrained=model, tokenizer=tokenizer, backend="causal", batch_size=batch_size,
                                  max_length=max_length, logits_cache=logits_cache)
+            if accelerator is not None and accelerator.num_processes > 1:
+                # HFLM skips its data-parallel set-up for a model object; this is that set-up (lm-eval's evaluate()
+                # then gives each rank its share of the documents and gathers the metrics on rank 0)
+                _check_placement(model, accelerator)
+                self.accelerator = accelerator
+                self._device = accelerator.device
+                self._rank, self._world_size = accelerator.process_index, accelerator.num_processes
             self.flops = FlopsMeter(model.config)
             self.scoring = {"rows": 0, "scored_positions": 0, "real_tokens": 0, "computed_tokens": 0}
             self._task_of: dict[tuple[str, str], str] = {}
@@ -214,15 +260,31 @@ def _hflm_class():
                     "model_dtype": str(p.dtype), "token_reduction": getattr(self.model.config, "token_reduction", None)}
 
         # --- task attribution for the FLOPs meter (lm-eval sends all tasks' requests in one call)
+        def _without_padding(self, requests, run):
+            """lm-eval pads a data-parallel rank's requests with extra copies of its last one (so all ranks run
+            equally many); run only the real ones, so the FLOPs meter and counts see each request once."""
+            pad = 0
+            if self.world_size > 1 and requests:
+                last, same = requests[-1], 0
+                for req in reversed(requests):
+                    if req is not last:
+                        break
+                    same += 1
+                pad = max(0, same - max(1, int(getattr(last, "repeats", 1))))
+            res = run(requests[:len(requests) - pad])
+            return res + [res[-1]] * pad
+
         def loglikelihood(self, requests, disable_tqdm: bool = False):
             for req in requests:
                 self._task_of[tuple(req.args)] = req.task_name
-            return super().loglikelihood(requests, disable_tqdm=disable_tqdm)
+            return self._without_padding(requests, lambda r: super(ReducingHFLM, self).loglikelihood(
+                r, disable_tqdm=disable_tqdm))
 
         def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
             names = sorted({req.task_name for req in requests if req.task_name})
             self._rolling_task = "+".join(names) or "loglikelihood_rolling"
-            return super().loglikelihood_rolling(requests, disable_tqdm=disable_tqdm)
+            return self._without_padding(requests, lambda r: super(ReducingHFLM, self).loglikelihood_rolling(
+                r, disable_tqdm=disable_tqdm))
 
         def _model_call(self, inps, attn_mask=None, labels=None):
             # Only lm-eval's batch-size probing reaches this; scoring goes through _loglikelihood_tokens.
@@ -345,23 +407,24 @@ def heldout_fidelity(model, tokenizer, passages: Sequence[str], batch_size: int 
     attention mask.  Compared positions: real positions the reduced model computed (the dense model computes
     all).  A dense model gives agreement 1 and KL 0 without running.
     """
-    reducing = get_token_reduction(model) is not None
+    return _fidelity_result(_fidelity_sums(model, tokenizer, passages, batch_size, max_length, progress, meter))
+
+
+def _fidelity_sums(model, tokenizer, passages, batch_size, max_length, progress, meter) -> dict[str, Any]:
+    """The additive parts of :func:`heldout_fidelity` (data-parallel ranks each sum their own passages)."""
     prefix = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
     seqs = []
     for text in passages:
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         seqs.append(([prefix] if prefix is not None else []) + list(ids))
     seqs = [s[:max_length] for s in seqs if len(s) >= 2]
-    total_positions = sum(len(s) for s in seqs)
-    result = {"passages": len(seqs), "positions_total": total_positions}
-    if not reducing:
-        return {**result, "top1_agreement": 1.0, "kl_mean": 0.0, "positions_compared": total_positions,
-                "note": "dense model: identical to itself by definition (not run)"}
+    sums = {"passages": len(seqs), "positions_total": sum(len(s) for s in seqs), "agree": 0.0, "kl": 0.0,
+            "compared": 0, "dense": get_token_reduction(model) is None}
+    if sums["dense"]:
+        return sums
     device = next(model.parameters()).device
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     order = sorted(range(len(seqs)), key=lambda i: -len(seqs[i]))
-    agree = kl = 0.0
-    compared = 0
     for start in tqdm(range(0, len(order), batch_size), disable=not progress, desc="held-out fidelity"):
         batch = [seqs[i] for i in order[start:start + batch_size]]
         B, N = len(batch), max(len(s) for s in batch)
@@ -380,11 +443,22 @@ def heldout_fidelity(model, tokenizer, passages: Sequence[str], batch_size: int 
         mask = attn.bool() & red.computed_mask
         lr = F.log_softmax(red.logits[mask].float(), -1)
         ld = F.log_softmax(dense.logits[mask].float(), -1)
-        kl += float((ld.exp() * (ld - lr)).sum(-1).double().sum())
-        agree += float((ld.argmax(-1) == lr.argmax(-1)).sum())
-        compared += int(mask.sum())
-    return {**result, "top1_agreement": agree / compared if compared else float("nan"),
-            "kl_mean": kl / compared if compared else float("nan"), "positions_compared": compared}
+        sums["kl"] += float((ld.exp() * (ld - lr)).sum(-1).double().sum())
+        sums["agree"] += float((ld.argmax(-1) == lr.argmax(-1)).sum())
+        sums["compared"] += int(mask.sum())
+    return sums
+
+
+def _fidelity_result(*parts: dict[str, Any]) -> dict[str, Any]:
+    """Combine :func:`_fidelity_sums` of one or several data-parallel shards into the reported columns."""
+    total = {k: sum(p[k] for p in parts) for k in ("passages", "positions_total", "agree", "kl", "compared")}
+    result = {"passages": total["passages"], "positions_total": total["positions_total"]}
+    if all(p["dense"] for p in parts):
+        return {**result, "top1_agreement": 1.0, "kl_mean": 0.0, "positions_compared": total["positions_total"],
+                "note": "dense model: identical to itself by definition (not run)"}
+    compared = total["compared"]
+    return {**result, "top1_agreement": total["agree"] / compared if compared else float("nan"),
+            "kl_mean": total["kl"] / compared if compared else float("nan"), "positions_compared": compared}
 
 
 # ----------------------------------------------------------------------------- the paper-style row
@@ -581,13 +655,19 @@ def evaluate_model(
     fidelity: bool = True,
     bootstrap_iters: int = 100,
     progress: bool = True,
-) -> dict[str, Any]:
+    accelerator=None,
+) -> dict[str, Any] | None:
     """Evaluate ``model`` (reduced or dense, as configured) on ``tasks``; returns the result dict.
 
     ``limit`` caps the documents per task (and the held-out passages for the fidelity columns).  When
     ``output`` is given, the result is saved there as JSON + CSV (see :func:`save_results`) and the task
     YAMLs used are kept in ``<output>/lm_eval_tasks/``.  ``lambada_openai`` that cannot be loaded (offline)
     is reported with ``status: "missing"`` and NaN metrics; nothing is substituted for it.
+
+    Data parallel: under ``accelerate launch`` / ``torchrun`` with several processes (or with an
+    ``accelerator`` of several processes), each process scores its share and rank 0 gathers everything and
+    returns (and saves) the result; the other ranks return ``None``.  Each process's model must be on its
+    ``accelerator.device``.
     """
     import lm_eval
     from lm_eval.tasks import TaskManager
@@ -624,7 +704,10 @@ def evaluate_model(
         tmp = tempfile.TemporaryDirectory(prefix="hf_tokred_tasks_")
         task_dir = Path(tmp.name)
     raw: dict[str, Any] = {"results": {}, "n-samples": {}}
-    lm = lm_class()(model, tokenizer, batch_size=batch_size, max_length=max_length)
+    if accelerator is None:
+        accelerator = data_parallel_accelerator(cpu=next(model.parameters()).device.type == "cpu")
+    lm = lm_class()(model, tokenizer, batch_size=batch_size, max_length=max_length, accelerator=accelerator)
+    rank, world = lm.rank, lm.world_size
     try:
         task_dir.mkdir(parents=True, exist_ok=True)
         if local:
@@ -636,19 +719,30 @@ def evaluate_model(
         if tmp is not None:
             tmp.cleanup()
     t_tasks = time.perf_counter() - t0
-    for name, entry in entries.items():
-        if entry["status"] == "ok":
-            entry["metrics"] = _collect_metrics(raw["results"].get(name, {}))
-            n = raw.get("n-samples", {}).get(name, {})
-            entry["documents"] = n.get("effective", n.get("original"))
 
     fid = None
     if fidelity:
         passages = data_mod.heldout_passages(root)
         if limit is not None:
             passages = passages[:limit]
-        fid = heldout_fidelity(model, tokenizer, passages, batch_size=batch_size, max_length=max_length,
-                               progress=progress, meter=lm.flops)
+        fid = [_fidelity_sums(model, tokenizer, passages[rank::world], batch_size, max_length,
+                              progress and rank == 0, lm.flops)]
+    if world > 1:  # rank 0 gathers what every process measured (lm-eval already gathered the task metrics)
+        parts = lm.gather_object({"flops": lm.flops.state(), "scoring": lm.scoring, "fidelity": fid})
+        if rank != 0:
+            lm.barrier()
+            return None
+        lm.flops = FlopsMeter(model.config)
+        lm.scoring = {k: sum(p["scoring"][k] for p in parts) for k in lm.scoring}
+        for part in parts:
+            lm.flops.merge(part["flops"])
+        fid = [f for p in parts for f in (p["fidelity"] or [])] or None
+    fid = _fidelity_result(*fid) if fid else None
+    for name, entry in entries.items():
+        if entry["status"] == "ok":
+            entry["metrics"] = _collect_metrics(raw["results"].get(name, {}))
+            n = raw.get("n-samples", {}).get(name, {})
+            entry["documents"] = n.get("effective", n.get("original"))
     ran = [g for g in lm.flops.summary()["per_task"] if g != "heldout_fidelity"]
     flops = lm.flops.summary(ran)
     if fid is not None and "heldout_fidelity" in lm.flops.summary()["per_task"]:
@@ -680,10 +774,12 @@ def evaluate_model(
                      "versions": {"hf_tokred": __version__, "lm_eval": getattr(lm_eval, "__version__", "?"),
                                   "transformers": transformers.__version__, "torch": torch.__version__}},
         "timing_s": {"tasks": round(t_tasks, 3), "total": round(time.perf_counter() - t0, 3)},
+        "processes": world,
     }
     result["row"] = paper_row(result)
     if output is not None:
         result["files"] = {k: str(v) for k, v in save_results(result, output).items()}
+    lm.barrier()
     return result
 
 
