@@ -1,10 +1,16 @@
-"""The compiled CPU selective scan (``csrc/selective_scan_cpu.cpp``), built on first use.
+"""The compiled CPU kernels of the Mamba-1 mixer (``csrc/selective_scan_cpu.cpp``), built on first use.
 
-One sequential pass over time per (batch, channel) row with the state in registers and ``exp``
-vectorised over the state dimension (glibc's libmvec).  It is built with torch's C++ extension
-machinery the first time a CPU Mamba-1 scan runs (about a minute; cached under
-``~/.cache/torch_extensions``).  Where it cannot be built (no C++ compiler), a warning is logged once
-and the chunked torch scan (:mod:`hf_tokred.scan`) runs instead.  ``HF_TOKRED_CPU_KERNEL=0`` disables it.
+* ``selective_scan_cpu``: the whole SSM step (``softplus(dt + bias)``, the scan, ``+ D*u``, ``* silu(z)``)
+  in one pass over time, vectorised over blocks of 8 channels with the state in a small array and ``exp``
+  from glibc's libmvec; it reads transformers' transposed views in place (any strides) and writes the
+  output time-major, the layout the output projection reads.
+* ``causal_conv1d_cpu``: the depthwise causal convolution + bias + silu in one pass (transformers'
+  fallback runs ``F.conv1d`` on a strided copy, then silu, then another copy).
+
+Built with torch's C++ extension machinery the first time a CPU Mamba-1 mixer runs (about a minute; cached
+under ``~/.cache/torch_extensions``).  Where it cannot be built (no C++ compiler), a warning is logged once
+and the chunked torch scan (:mod:`hf_tokred.scan`) and transformers' convolution run instead.
+``HF_TOKRED_CPU_KERNEL=0`` disables it.
 """
 
 from __future__ import annotations
@@ -16,12 +22,12 @@ from pathlib import Path
 
 import torch
 
-from .scan import finish_output, prepare_dt
 
-__all__ = ["available", "selective_scan_cpu"]
+__all__ = ["available", "causal_conv1d_cpu", "selective_scan_cpu"]
 
 logger = logging.getLogger("hf_tokred")
 _SOURCE = Path(__file__).parent / "csrc" / "selective_scan_cpu.cpp"
+MAX_STATE = 64  # largest ssm_state_size the compiled scan takes (N_MAX in the C++ source); larger: torch scan
 _ARCH_FLAGS = {"AVX512": ["-mavx512f", "-mavx2", "-mfma"], "AVX2": ["-mavx2", "-mfma"]}
 
 
@@ -36,7 +42,10 @@ def _extension():
         return load(
             name=f"hf_tokred_scan_cpu_{capability.lower()}",
             sources=[str(_SOURCE)],
-            extra_cflags=["-O3", "-ffast-math", "-fopenmp-simd", *_ARCH_FLAGS.get(capability, [])],
+            # -fopenmp: at::parallel_for is header code that only runs in parallel when compiled with OpenMP
+            # (torch's own libgomp.so.1 is already loaded and is the one used at run time)
+            extra_cflags=["-O3", "-ffast-math", "-fopenmp", *_ARCH_FLAGS.get(capability, [])],
+            extra_ldflags=["-fopenmp"],
             verbose=False,
         )
     except Exception as err:  # no compiler / ninja / headers: keep working on the torch path
@@ -48,16 +57,39 @@ def available() -> bool:
     return _extension() is not None
 
 
+def _f32(t):
+    return None if t is None else t.float()
+
+
+def _or_empty(t):
+    return torch.empty(0) if t is None else t.float().contiguous()
+
+
 def selective_scan_cpu(hidden_states, dt, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
                        return_last_state=False, initial_state=None):
-    """Same contract as :func:`hf_tokred.scan.selective_scan` (fp32 inside, ``y`` in the input dtype)."""
-    u = hidden_states.float().contiguous()
-    dt = prepare_dt(dt, delta_bias, delta_softplus)
-    batch, d_inner, _ = u.shape
+    """Same contract as :func:`hf_tokred.scan.selective_scan` (fp32 inside, ``y`` in the input dtype).
+
+    ``y`` is returned as a ``[batch, d_inner, L]`` view of time-major storage, which is the layout the
+    mixer's output projection reads next (``y.transpose(1, 2)`` is contiguous).
+    """
+    batch, d_inner, _ = hidden_states.shape
     h0 = (torch.zeros(batch, d_inner, A.shape[-1]) if initial_state is None else initial_state.float()).contiguous()
     y, state = _extension().selective_scan_fwd(
-        u, dt.contiguous(), A.float().contiguous(), B.float().transpose(1, 2).contiguous(),
-        C.float().transpose(1, 2).contiguous(), h0,
+        hidden_states.float(), dt.float(), A.float().contiguous(), B.float(), C.float(), h0,
+        _or_empty(delta_bias), bool(delta_softplus), _or_empty(D), _or_empty(None) if z is None else z.float(),
     )
-    y = finish_output(y, u, D, z, hidden_states.dtype)
+    y = y.transpose(1, 2).to(hidden_states.dtype)
     return (y, state) if return_last_state else y
+
+
+def causal_conv1d_cpu(hidden_states, weight, bias=None, activation=None):
+    """transformers' ``causal_conv1d_fn`` (depthwise causal conv, optional silu) in one fused pass.
+
+    ``hidden_states`` ``[batch, d_inner, L]`` (any strides), ``weight`` ``[d_inner, K]``; the result is a
+    ``[batch, d_inner, L]`` view of time-major storage, in the input dtype.
+    """
+    if activation not in (None, "silu", "swish"):
+        raise ValueError(f"causal_conv1d_cpu supports activation None or 'silu', got {activation!r}")
+    out = _extension().causal_conv1d_fwd(hidden_states.float(), weight.float().contiguous(), _or_empty(bias),
+                                         activation is not None)
+    return out.transpose(1, 2).to(hidden_states.dtype)

@@ -11,6 +11,9 @@ to a dispatcher:
 * CUDA tensors without it: our Triton scan (:func:`hf_tokred.kernels.selective_scan_varlen`), never the
   Python loop.
 
+The Mamba-1 depthwise convolution (``causal_conv1d_fn``) is rebound the same way: on CPU without gradients
+the fused compiled convolution + silu of :mod:`hf_tokred.cpu_kernel`, else transformers' own.
+
 Dense and reduced runs use the same path; the path taken is logged once (logger ``hf_tokred``).
 Mamba-2 keeps transformers' chunked SSD code (mamba-ssm's Triton kernels when installed).
 """
@@ -27,10 +30,11 @@ from transformers.models.mamba import modeling_mamba
 from . import cpu_kernel
 from .scan import selective_scan
 
-__all__ = ["install", "mamba_selective_scan", "stock_kernels"]
+__all__ = ["causal_conv1d_fn", "install", "mamba_selective_scan", "stock_kernels"]
 
 logger = logging.getLogger("hf_tokred")
-_STOCK = {"mamba_selective_scan": modeling_mamba.mamba_selective_scan}
+_STOCK = {"mamba_selective_scan": modeling_mamba.mamba_selective_scan,
+          "causal_conv1d_fn": modeling_mamba.causal_conv1d_fn}
 _logged: set[str] = set()
 
 
@@ -63,7 +67,8 @@ def mamba_selective_scan(hidden_states, *args, **kwargs):
     if hidden_states.device.type == "cpu":
         needs_grad = torch.is_grad_enabled() and (hidden_states.requires_grad or any(
             isinstance(a, torch.Tensor) and a.requires_grad for a in (*args, *kwargs.values())))
-        if not needs_grad and cpu_kernel.available():
+        A = args[1] if len(args) > 1 else kwargs.get("A")
+        if not needs_grad and A is not None and A.shape[-1] <= cpu_kernel.MAX_STATE and cpu_kernel.available():
             _log_once("hf_tokred compiled (CPU)")
             kwargs = {k: v for k, v in kwargs.items() if k not in ("use_mambapy", "use_associative_scan")}
             return cpu_kernel.selective_scan_cpu(hidden_states, *args, **kwargs)
@@ -76,8 +81,19 @@ def mamba_selective_scan(hidden_states, *args, **kwargs):
     return _STOCK["mamba_selective_scan"](hidden_states, *args, **kwargs)
 
 
+def causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, **kwargs):
+    """transformers' Mamba-1 convolution: fused compiled kernel on CPU (no gradient, no extra options), else stock."""
+    if (hidden_states.device.type == "cpu" and activation in (None, "silu", "swish")
+            and not any(v is not None for v in kwargs.values())
+            and not (torch.is_grad_enabled() and (hidden_states.requires_grad or weight.requires_grad))
+            and cpu_kernel.available()):
+        return cpu_kernel.causal_conv1d_cpu(hidden_states, weight, bias, activation)
+    return _STOCK["causal_conv1d_fn"](hidden_states, weight, bias, activation=activation, **kwargs)
+
+
 def install() -> None:
     modeling_mamba.mamba_selective_scan = mamba_selective_scan
+    modeling_mamba.causal_conv1d_fn = causal_conv1d_fn
 
 
 @contextlib.contextmanager

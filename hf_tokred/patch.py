@@ -153,7 +153,12 @@ class TokenReductionModelOutput(ModelOutput):
 @dataclass
 class TokenReductionCausalLMOutput(ModelOutput):
     """Causal-LM output of a reducing model: ``logits`` aligned with the input positions (NaN where a
-    position was not computed), loss over the computed positions, plus the fields of the backbone output."""
+    position was not computed), loss over the computed positions, plus the fields of the backbone output.
+
+    With ``model(..., compact_logits=True)`` the logits are only those computed: ``[B, M, V]`` with column
+    ``j`` at input position ``kept_positions[:, j]`` (-1: padding column), or the last ``cols`` columns of
+    that when ``logits_to_keep`` limits them.  This saves the ``[B, N, V]`` NaN-filled tensor, which for a
+    full-logits forward (scoring, perplexity) is most of the memory reduction can save."""
 
     loss: torch.Tensor | None = None
     logits: torch.Tensor | None = None
@@ -360,11 +365,15 @@ def _patch_lm_forward(cls) -> None:
     @functools.wraps(original)
     def forward(self, *args, **kwargs):
         active = _active(self.config)
+        compact = kwargs.pop("compact_logits", False)
         if active is None:
-            kwargs.pop("protected_mask", None)
+            kwargs.pop("protected_mask", None)  # every position is computed: compact and aligned logits agree
             return original(self, *args, **kwargs)
         p = _bind(signature, self, args, kwargs)
         labels, logits_to_keep = p.pop("labels"), p.pop("logits_to_keep")
+        if compact and not isinstance(logits_to_keep, int):
+            raise ValueError("compact_logits=True takes an int logits_to_keep (0 = every computed position); "
+                             "select positions from the compact logits with kept_positions instead")
         return_dict = p.pop("return_dict")
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         loss_kwargs = {k: v for k, v in p.items() if k not in _BACKBONE_KEYS}
@@ -379,7 +388,10 @@ def _patch_lm_forward(cls) -> None:
             start = max(N - logits_to_keep, 0) if logits_to_keep > 0 else min(-logits_to_keep, N)
             cols = min(N - start, M)  # kept positions >= start are the last columns
             part = every[:, M - cols :] if every is not None else head(r.hidden[:, M - cols :])
-            logits = _scatter_to_positions(part, r.positions[:, M - cols :], N - start, offset=start)
+            # compact: only what was computed ([B, cols, V], column j at input position kept_positions[:, M-cols+j]),
+            # so a full-logits forward allocates the reduced length, not a NaN-filled [B, N, V]
+            logits = part if compact else _scatter_to_positions(part, r.positions[:, M - cols :], N - start,
+                                                                 offset=start)
         else:
             logits = _scatter_to_positions(every, r.positions, N)[:, logits_to_keep]
 

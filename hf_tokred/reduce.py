@@ -50,20 +50,37 @@ def importance(h: torch.Tensor, metric: str = "clip") -> torch.Tensor:
 
 
 def _features(h: torch.Tensor, metric: str) -> torch.Tensor:
-    """Unit-norm token features for cosine similarity: the clipped output for ``clip``, the raw output otherwise."""
+    """Token features for cosine similarity (not normalised): the clipped output for ``clip``, else the output."""
     h = h.float()
-    if metric == "clip":
-        h = h.clamp_min(0)
-    return h / h.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+    return h.clamp_min(0) if metric == "clip" else h
 
 
 #: Cosine similarities closer than this are ties (fp32 noise of a cosine is ~1e-7; 2**-16 ~ 1.5e-5).
 _SIM_GRID = 2.0**-16
 
 
-def _snap(sim: torch.Tensor) -> torch.Tensor:
-    """Round similarities to the tie grid (exact: the grid is a power of two)."""
-    return torch.round(sim / _SIM_GRID) * _SIM_GRID
+#: Rows of the similarity matrix computed at a time (a block stays in cache while it is scaled, rounded, reduced).
+_SIM_BLOCK = 256
+
+
+def _best_cosine(xa: torch.Tensor, xb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each row of ``xa [g, m, D]``: its best cosine similarity with the rows of ``xb [g, k, D]``, rounded to
+    the tie grid (in grid units: only the ordering is used), and the first row of ``xb`` that attains it.
+
+    The ``[g, m, k]`` matrix is never held whole: blocks of rows are multiplied, scaled by the inverse norms,
+    rounded and reduced while in cache.
+    """
+    inv_a = xa.norm(dim=-1).clamp_min(1e-12).reciprocal()
+    inv_b = xb.norm(dim=-1).clamp_min(1e-12).reciprocal().div_(_SIM_GRID)[:, None, :]
+    xbt = xb.transpose(1, 2)
+    g, m = xa.shape[:2]
+    best = torch.empty(g, m, dtype=xa.dtype, device=xa.device)
+    match = torch.empty(g, m, dtype=torch.long, device=xa.device)
+    for i in range(0, m, _SIM_BLOCK):
+        j = min(m, i + _SIM_BLOCK)
+        sim = torch.matmul(xa[:, i:j], xbt).mul_(inv_a[:, i:j, None]).mul_(inv_b).round_()
+        torch.max(sim, dim=-1, out=(best[:, i:j], match[:, i:j]))
+    return best, match
 
 
 def num_to_remove(n_real: torch.Tensor, keep_ratio: float, pairs: bool) -> torch.Tensor:
@@ -94,7 +111,11 @@ class Selection:
 
 def _take(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """Gather rows of ``x [g, n, ...]`` along dim 1 with ``idx [g, k]``."""
-    return x.gather(1, idx.view(*idx.shape, *([1] * (x.dim() - 2))).expand(*idx.shape, *x.shape[2:]))
+    if x.dim() == 2:
+        return x.gather(1, idx)
+    g, n = x.shape[:2]
+    flat = idx + (torch.arange(g, device=idx.device) * n)[:, None]  # whole rows: index_select, not per element
+    return x.reshape(g * n, *x.shape[2:]).index_select(0, flat.reshape(-1)).view(*idx.shape, *x.shape[2:])
 
 
 def _top_links(link: torch.Tensor, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,10 +133,11 @@ def _select_importance_similarity(h, protected, r, metric) -> Selection:
     s = importance(h, metric)
     order = torch.sort(s.masked_fill(protected, math.inf), dim=1, stable=True).indices
     n_a = n - n // 2
+    ranked = _take(h.float(), order)  # tokens by importance; the less important half first
+    if metric == "clip":
+        ranked.clamp_min_(0)  # the features, made in place on the copy
+    best, match = _best_cosine(ranked[:, :n_a], ranked[:, n_a:])
     a, b = order[:, :n_a], order[:, n_a:]
-    feat = _features(h, metric)
-    sim = _snap(_take(feat, a) @ _take(feat, b).transpose(1, 2))  # [g, |A|, |B|]
-    best, match = sim.max(-1)
     best = best.masked_fill(protected.gather(1, a), -math.inf)
     sel, ok = _top_links(best, r)
     src = a.gather(1, sel)
@@ -128,9 +150,10 @@ def _select_reference(h, protected, r, metric) -> Selection:
     of ``b`` as odd token ``2j+1``.  On non-negative inputs this removes 0, 2, ..., 2r-2 into token 1."""
     n = h.shape[1]
     feat = _features(h, metric)
+    feat = feat / feat.norm(dim=-1, keepdim=True).clamp_min(1e-12)  # normalised before the per-channel sort
     ranked = torch.sort(feat, dim=1, descending=True, stable=True).values
     a, b = ranked[:, n // 2 :], ranked[:, : n // 2]
-    best, match = _snap(a @ b.transpose(1, 2)).max(-1)
+    best, match = (a @ b.transpose(1, 2)).div_(_SIM_GRID).round_().max(-1)
     even = torch.arange(0, n, 2, device=h.device)
     best = best.masked_fill(protected[:, even], -math.inf)
     sel, ok = _top_links(best, r)
@@ -142,7 +165,7 @@ def _select_bipartite(h, protected, r, metric) -> Selection:
     """ToMe / PuMer: even tokens matched to odd tokens by cosine; the most similar pairs merge."""
     n = h.shape[1]
     feat = _features(h, metric)
-    best, match = _snap(feat[:, 0::2] @ feat[:, 1::2].transpose(1, 2)).max(-1)
+    best, match = _best_cosine(feat[:, 0::2], feat[:, 1::2])
     best = best.masked_fill(protected[:, 0::2], -math.inf)
     sel, ok = _top_links(best, r)
     src = 2 * sel

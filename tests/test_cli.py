@@ -64,3 +64,19 @@ def test_bench_runs_side_by_side(tmp_path):
     reduced = result["rows"][2]
     assert reduced["layer_lengths"][-1] < 64 and 0.2 < reduced["flops_reduction_proxy"] < 0.35
     assert "| utrc 30% |" in proc.stdout
+
+
+def test_bench_memory_with_all_logits(tmp_path):
+    """--memory --memory-logits all: each setting's peak is measured in a fresh process, reduced ones with
+    compact logits; the overhead share is taken against the dense forward."""
+    out = tmp_path / "bench.json"
+    proc = run("bench", "--model", "random:mamba-tiny", "--length", "64", "--flops", "0.3", "--repeats", "1",
+               "--warmup", "0", "--decode-tokens", "0", "--threads", "1", "--memory", "--memory-logits", "all",
+               "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    assert result["memory_logits"] == "all"
+    dense, red = result["rows"]
+    assert dense["peak_mib"] > 0 and red["peak_mib"] > 0 and "peak_memory_saving" in red
+    assert red["reduction_overhead_share"] == pytest.approx(
+        red["reduction_overhead_share_of_own_forward"] * red["prefill_s"]["median"] / dense["prefill_s"]["median"])

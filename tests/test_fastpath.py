@@ -1,5 +1,6 @@
 """The CPU fast path is installed and gives stock transformers' results (fp32, atol 1e-5)."""
 
+import pytest
 import torch
 from transformers.models.mamba import modeling_mamba
 
@@ -73,3 +74,63 @@ def test_compiled_cpu_scan_equals_stock_loop():
                                            delta_softplus=True, return_last_state=True, initial_state=s1)
     whole_y, whole_s = cpu_kernel.selective_scan_cpu(u, dt, A, B, C, delta_softplus=True, return_last_state=True)
     assert torch.allclose(torch.cat([y1, y2], -1), whole_y, atol=1e-5) and torch.allclose(s2, whole_s, atol=1e-5)
+
+
+@pytest.mark.parametrize("d, n", [(24, 16), (13, 5), (8, 64)])
+def test_compiled_scan_reads_transformers_views(d, n):
+    """The mixer hands over transposed views (u, z out of the in-projection, B, C out of x_proj): the kernel
+    reads them in place, including a channel count that is not a multiple of its 8-channel blocks."""
+    from hf_tokred import cpu_kernel
+
+    torch.manual_seed(d + n)
+    b, L, r = 2, 37, 5
+    xz = torch.randn(b, L, 2 * d).transpose(1, 2)
+    u, z = xz[:, :d], xz[:, d:]
+    xp = torch.randn(b, L, r + 2 * n)
+    B, C = xp[..., r:r + n].transpose(1, 2), xp[..., r + n:].transpose(1, 2)
+    dt, A = torch.randn(b, d, L), -torch.rand(d, n) - 0.1
+    D, bias = torch.randn(d), torch.randn(d)
+    h0 = torch.randn(b, d, n)
+    with fastpath.stock_kernels():
+        ref_y, ref_s = modeling_mamba.mamba_selective_scan(u, dt, A, B, C, D=D, z=z, delta_bias=bias,
+                                                           delta_softplus=True, return_last_state=True)
+        ref_plain = modeling_mamba.mamba_selective_scan(u, dt.abs() * 0.1, A, B, C)
+    y, s = cpu_kernel.selective_scan_cpu(u, dt, A, B, C, D=D, z=z, delta_bias=bias, delta_softplus=True,
+                                         return_last_state=True)
+    torch.testing.assert_close(y, ref_y, atol=1e-5, rtol=1e-6)
+    torch.testing.assert_close(s, ref_s, atol=1e-5, rtol=1e-6)
+    torch.testing.assert_close(cpu_kernel.selective_scan_cpu(u, dt.abs() * 0.1, A, B, C), ref_plain,
+                               atol=1e-5, rtol=1e-6)
+    # an initial state: the scan from h0 equals the slow obvious recurrence
+    y0, s0 = cpu_kernel.selective_scan_cpu(u, dt, A, B, C, delta_bias=bias, delta_softplus=True,
+                                           return_last_state=True, initial_state=h0)
+    delta = torch.nn.functional.softplus(dt + bias[:, None])
+    h, ys = h0.clone(), []
+    for t in range(L):
+        h = torch.exp(delta[..., t, None] * A) * h + (delta[..., t] * u[..., t])[..., None] * B[:, None, :, t]
+        ys.append((h * C[:, None, :, t]).sum(-1))
+    torch.testing.assert_close(y0, torch.stack(ys, -1), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(s0, h, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("activation", [None, "silu"])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_compiled_conv_equals_stock(activation, with_bias):
+    """The fused depthwise causal convolution against transformers' F.conv1d fallback, on the strided view the
+    mixer passes (the first half of the in-projection output), with and without the cache's prefix."""
+    from hf_tokred import cpu_kernel
+
+    torch.manual_seed(1)
+    b, d, L, k = 3, 21, 19, 4
+    x = torch.randn(b, L, 2 * d).transpose(1, 2)[:, :d]
+    w, bias = torch.randn(d, k), (torch.randn(d) if with_bias else None)
+    ref = fastpath._STOCK["causal_conv1d_fn"](x, w, bias, activation=activation)
+    out = fastpath.causal_conv1d_fn(x, w, bias, activation=activation)
+    torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-6)
+    assert out.shape == (b, d, L) and out.dtype == x.dtype
+    torch.testing.assert_close(cpu_kernel.causal_conv1d_cpu(x[..., :1], w, bias, activation),
+                               fastpath._STOCK["causal_conv1d_fn"](x[..., :1], w, bias, activation=activation))
+    with torch.enable_grad():  # gradients: transformers' own code runs
+        xg = x.clone().requires_grad_()
+        fastpath.causal_conv1d_fn(xg, w, bias, activation=activation).sum().backward()
+        assert xg.grad is not None

@@ -215,3 +215,31 @@ def test_computed_mask_ignores_padding_entries():
     out = _scatter_to_positions(values, positions, 3, offset=1)  # input positions 1..3
     assert torch.equal(torch.isnan(out[..., 0]), torch.tensor([[True, True, False], [False, False, False]]))
     assert out[0, 2, 0] == 3 and out[1, :, 0].tolist() == [5.0, 6.0, 7.0]
+
+
+@pytest.mark.parametrize("family", ["mamba", "mamba2"])
+def test_compact_logits_are_the_computed_columns(family):
+    """compact_logits=True returns exactly the computed logits, in kept_positions order, without NaN columns."""
+    model = hf_tokred.apply_token_reduction(tiny_model(family), TokenReductionConfig(keep_ratio=0.6, anchors=[1, 3]))
+    ids = torch.randint(3, model.config.vocab_size, (2, 23), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0  # left padding
+    with torch.no_grad():
+        aligned = model(ids, attention_mask=mask)
+        compact = model(ids, attention_mask=mask, compact_logits=True)
+        last3 = model(ids, attention_mask=mask, compact_logits=True, logits_to_keep=3)
+        labelled = model(ids, attention_mask=mask, labels=ids, compact_logits=True)
+    pos = compact.kept_positions
+    assert compact.logits.shape[:2] == pos.shape and pos.shape[1] < ids.shape[1]
+    rows = torch.arange(2)[:, None].expand_as(pos)
+    ok = pos >= 0
+    torch.testing.assert_close(compact.logits[ok], aligned.logits[rows[ok], pos[ok]])
+    assert bool(torch.isfinite(compact.logits[ok]).all())
+    torch.testing.assert_close(last3.logits, compact.logits[:, -3:])
+    with torch.no_grad():
+        torch.testing.assert_close(labelled.loss, model(ids, attention_mask=mask, labels=ids).loss)
+    with pytest.raises(ValueError, match="compact_logits=True takes an int logits_to_keep"):
+        model(ids, compact_logits=True, logits_to_keep=torch.tensor([1, 2]))
+    dense = tiny_model(family)
+    with torch.no_grad():  # nothing reduced: the stock logits (every position computed)
+        assert dense(ids, compact_logits=True).logits.shape == (2, 23, dense.config.vocab_size)
