@@ -300,7 +300,8 @@ def test_data_parallel_eval_matches_one_process(data_root, tmp_path):
     import os
     import sys
 
-    common = ["--model", "bundled:mamba", "--flops-reduction", "0.2", "--tasks", "arc_easy,piqa", "--limit", "5",
+    common = ["--model", "bundled:mamba", "--flops-reduction", "0.2", "--tasks", "arc_easy,piqa,boolq_heldout_ppl",
+              "--limit", "5",
               "--batch-size", "4", "--max-length", "256", "--bootstrap-iters", "0", "--json"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # the data_root fixture fetched into the default cache
     results = {}
@@ -318,10 +319,13 @@ def test_data_parallel_eval_matches_one_process(data_root, tmp_path):
     one, two = results["one"], results["two"]
     assert one["processes"] == 1 and two["processes"] == 2
     for task in ("arc_easy", "piqa"):
-        assert two["tasks"][task]["documents"] == 5
+        assert two["tasks"][task]["documents"] == 5 == two["tasks"]["boolq_heldout_ppl"]["documents"]
         assert two["tasks"][task]["metrics"]["acc"] == one["tasks"][task]["metrics"]["acc"]
     assert two["flops"] == one["flops"] and two["scoring"] == one["scoring"]
-    assert two["flops"]["rows"] == 5 * 4 + 5 * 2  # arc_easy: 4 choices, piqa: 2 -- no padded request counted
+    assert two["flops"]["per_task"]["arc_easy"]["rows"] == 5 * 4  # 4 choices -- no padded request counted
+    assert two["flops"]["per_task"]["piqa"]["rows"] == 5 * 2
+    ppl = two["tasks"]["boolq_heldout_ppl"]["metrics"]["word_perplexity"]  # rolling perplexity, sharded
+    assert ppl == pytest.approx(one["tasks"]["boolq_heldout_ppl"]["metrics"]["word_perplexity"], rel=1e-5)
     for key in ("passages", "positions_total", "positions_compared", "flops_exact"):
         assert two["fidelity"][key] == one["fidelity"][key]
     for key in ("top1_agreement", "kl_mean"):

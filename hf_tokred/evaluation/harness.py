@@ -283,8 +283,17 @@ def _hflm_class():
         def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
             names = sorted({req.task_name for req in requests if req.task_name})
             self._rolling_task = "+".join(names) or "loglikelihood_rolling"
-            return self._without_padding(requests, lambda r: super(ReducingHFLM, self).loglikelihood_rolling(
-                r, disable_tqdm=disable_tqdm))
+
+            def run(reqs):
+                # HFLM pads each rank's perplexity windows to the longest rank's count (lock-step for DDP/FSDP);
+                # our forwards hold no collectives, so every rank runs just its own windows
+                world, self._world_size = self._world_size, 1
+                try:
+                    return super(ReducingHFLM, self).loglikelihood_rolling(reqs, disable_tqdm=disable_tqdm)
+                finally:
+                    self._world_size = world
+
+            return self._without_padding(requests, run)
 
         def _model_call(self, inps, attn_mask=None, labels=None):
             # Only lm-eval's batch-size probing reaches this; scoring goes through _loglikelihood_tokens.
