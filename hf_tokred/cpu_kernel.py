@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 
-__all__ = ["available", "causal_conv1d_cpu", "selective_scan_cpu"]
+__all__ = ["available", "causal_conv1d_cpu", "grid_argmax", "selective_scan_cpu"]
 
 logger = logging.getLogger("hf_tokred")
 _SOURCE = Path(__file__).parent / "csrc" / "selective_scan_cpu.cpp"
@@ -93,3 +93,9 @@ def causal_conv1d_cpu(hidden_states, weight, bias=None, activation=None):
     out = _extension().causal_conv1d_fwd(hidden_states.float(), weight.float().contiguous(), _or_empty(bias),
                                          activation is not None)
     return out.transpose(1, 2).to(hidden_states.dtype)
+
+
+def grid_argmax(sim, scale):
+    """Row-wise ``round(sim * scale[:, None, :]).max(-1)`` (values and first index of the maximum), fp32 CPU;
+    ``sim [G, m, k]``, ``scale [G, k]``."""
+    return _extension().grid_argmax(sim.contiguous(), scale.contiguous())

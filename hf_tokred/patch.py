@@ -32,7 +32,7 @@ from transformers.models.auto.auto_factory import _BaseAutoModelClass
 from transformers.utils import ModelOutput
 
 from .config import ResolvedSchedule, TokenReductionConfig
-from .reduce import Plan, apply_plan, make_plan, reduce_along
+from .reduce import Plan, apply_plan_pair, make_plan, reduce_along
 
 __all__ = [
     "SUPPORTED_TRANSFORMERS",
@@ -211,7 +211,7 @@ def _apply_both(residual, h, plan: Plan, cfg: TokenReductionConfig) -> torch.Ten
         from .kernels import fused_apply_plan
 
         return fused_apply_plan(residual, h, plan, cfg.residual, cfg.hidden, cfg.q)[0]
-    return apply_plan(residual, plan, cfg.residual, cfg.q) + apply_plan(h, plan, cfg.hidden, cfg.q)
+    return apply_plan_pair(residual, h, plan, cfg.residual, cfg.hidden, cfg.q)
 
 
 def _reduced_backbone(

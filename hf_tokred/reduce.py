@@ -28,6 +28,7 @@ __all__ = [
     "Plan",
     "Selection",
     "apply_plan",
+    "apply_plan_pair",
     "importance",
     "make_plan",
     "num_to_remove",
@@ -67,20 +68,33 @@ def _best_cosine(xa: torch.Tensor, xb: torch.Tensor) -> tuple[torch.Tensor, torc
     """For each row of ``xa [g, m, D]``: its best cosine similarity with the rows of ``xb [g, k, D]``, rounded to
     the tie grid (in grid units: only the ordering is used), and the first row of ``xb`` that attains it.
 
-    The ``[g, m, k]`` matrix is never held whole: blocks of rows are multiplied, scaled by the inverse norms,
-    rounded and reduced while in cache.
+    The ``[g, m, k]`` matrix is never held whole: blocks of rows (of unit-norm ``xa`` rows) are multiplied,
+    scaled by the inverse norms of ``xb``, rounded and reduced while in cache.
     """
-    inv_a = xa.norm(dim=-1).clamp_min(1e-12).reciprocal()
-    inv_b = xb.norm(dim=-1).clamp_min(1e-12).reciprocal().div_(_SIM_GRID)[:, None, :]
+    xa = xa * xa.norm(dim=-1, keepdim=True).clamp_min(1e-12).reciprocal()  # unit rows (the smaller operand)
+    inv_b = xb.norm(dim=-1).clamp_min(1e-12).reciprocal().div_(_SIM_GRID)
     xbt = xb.transpose(1, 2)
     g, m = xa.shape[:2]
     best = torch.empty(g, m, dtype=xa.dtype, device=xa.device)
     match = torch.empty(g, m, dtype=torch.long, device=xa.device)
+    fused = _cpu_grid_argmax(xa)
     for i in range(0, m, _SIM_BLOCK):
         j = min(m, i + _SIM_BLOCK)
-        sim = torch.matmul(xa[:, i:j], xbt).mul_(inv_a[:, i:j, None]).mul_(inv_b).round_()
-        torch.max(sim, dim=-1, out=(best[:, i:j], match[:, i:j]))
+        sim = torch.matmul(xa[:, i:j], xbt)
+        if fused is not None:  # compiled CPU pass: scale, round and arg-max each row while it is in cache
+            best[:, i:j], match[:, i:j] = fused(sim, inv_b)
+        else:
+            torch.max(sim.mul_(inv_b[:, None, :]).round_(), dim=-1, out=(best[:, i:j], match[:, i:j]))
     return best, match
+
+
+def _cpu_grid_argmax(x: torch.Tensor):
+    """The compiled row-wise scale/round/arg-max for fp32 CPU tensors without gradients, else ``None``."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or (torch.is_grad_enabled() and x.requires_grad):
+        return None
+    from . import cpu_kernel
+
+    return cpu_kernel.grid_argmax if cpu_kernel.available() else None
 
 
 def num_to_remove(n_real: torch.Tensor, keep_ratio: float, pairs: bool) -> torch.Tensor:
@@ -316,6 +330,45 @@ def apply_plan(x: torch.Tensor, plan: Plan, strategy: str, q: float = 0.5) -> to
         den = torch.ones(*out.shape[:2], w.shape[-1], device=x.device)
         den.scatter_add_(1, slot.expand(-1, -1, w.shape[-1]), w)
         out = acc.div_(den).to(x.dtype)
+    if not bool(plan.keep_mask.all()):
+        out = out.masked_fill(~plan.keep_mask[..., None], 0)
+    return out
+
+
+def apply_plan_pair(a: torch.Tensor, b: torch.Tensor, plan: Plan, strategy_a: str, strategy_b: str,
+                    q: float = 0.5) -> torch.Tensor:
+    """``apply_plan(a, plan, strategy_a, q) + apply_plan(b, plan, strategy_b, q)`` with fewer passes over the data.
+
+    The kept rows of ``a + b`` are gathered once; only the rows that receive merges are recomputed, branch by
+    branch, with the same arithmetic (and accumulation order) as :func:`apply_plan`.  Used on CPU for the two
+    branches of an anchor block (CUDA has the fused Triton kernel).
+    """
+    if plan.src.shape[1] == 0 or "hybrid_channel" in (strategy_a, strategy_b):
+        return apply_plan(a, plan, strategy_a, q) + apply_plan(b, plan, strategy_b, q)
+    weights = [_merge_weights(plan, st, q, None) for st in (strategy_a, strategy_b)]
+    out = _take(a + b, plan.keep)
+    merged = torch.zeros_like(plan.src_mask)
+    for w in weights:
+        if w is not None:
+            merged |= w[..., 0] > 0
+    if bool(merged.any()):
+        B, M = plan.keep.shape
+        flat = torch.arange(B, device=a.device)[:, None] * M + plan.dst_slot  # output row of each source's dst
+        rows = torch.unique(flat[merged])  # the rows that change
+        slot_of_src = torch.searchsorted(rows, flat[merged])
+        tokens = plan.keep.reshape(-1)[rows] + torch.div(rows, M, rounding_mode="floor") * a.shape[1]
+        new = None
+        for x, w in zip((a, b), weights):
+            flat_x = x.reshape(-1, x.shape[-1])
+            val = flat_x.index_select(0, tokens)
+            if w is not None:
+                acc = val.float()
+                src = flat_x.index_select(0, (plan.src + torch.arange(B, device=a.device)[:, None] * x.shape[1])[merged])
+                acc.index_add_(0, slot_of_src, src.float() * w[merged])
+                den = torch.ones(len(rows), 1, device=a.device).index_add_(0, slot_of_src, w[merged])
+                val = acc.div_(den).to(x.dtype)
+            new = val if new is None else new + val
+        out.view(-1, out.shape[-1])[rows] = new.to(out.dtype)
     if not bool(plan.keep_mask.all()):
         out = out.masked_fill(~plan.keep_mask[..., None], 0)
     return out

@@ -260,3 +260,42 @@ def test_deterministic_under_ties():
     assert all(torch.equal(p.keep, plans[0].keep) and torch.equal(p.src, plans[0].src) for p in plans)
     # ties in importance are broken by position: the earliest tokens are the "less important" ones
     assert sorted(plan_pairs(plans[0])) == [(0, 8), (1, 8), (2, 8), (3, 8)]
+
+
+@pytest.mark.parametrize("selection", ["importance_similarity", "bipartite", "importance", "reference"])
+def test_apply_plan_pair_equals_two_branches(selection):
+    """The CPU two-branch apply (one gather of the kept rows, merged rows recomputed) equals the two separate
+    applies bit for bit, for every pair of strategies, with padding and mixed dtypes."""
+    from hf_tokred.reduce import apply_plan_pair
+
+    torch.manual_seed(5)
+    h, res = torch.randn(3, 41, 12).to(torch.bfloat16), torch.randn(3, 41, 12)
+    mask = torch.ones(3, 41, dtype=torch.bool)
+    mask[1, :9] = False
+    plan = make_plan(h, mask, torch.zeros(3, 41, dtype=torch.bool), 0.7, selection, "clip",
+                     selection != "importance")
+    for sa in ("merge", "prune", "hybrid", "hybrid_channel"):
+        for sb in ("merge", "prune", "hybrid", "hybrid_channel"):
+            two = apply_plan(res, plan, sa, 0.5) + apply_plan(h, plan, sb, 0.5)
+            pair = apply_plan_pair(res, h, plan, sa, sb, 0.5)
+            assert pair.dtype == two.dtype and torch.equal(pair, two), (sa, sb)
+
+
+def test_compiled_grid_argmax_equals_torch_path(monkeypatch):
+    """The compiled scale/round/arg-max pass picks the same best similarities and first matches as torch ops,
+    including exact ties (duplicated candidates) and an all-zero feature row."""
+    import hf_tokred.reduce as reduce_mod
+
+    for seed in range(5):
+        g = torch.Generator().manual_seed(seed)
+        xa = (torch.rand(2, 300, 64, generator=g) - 0.3).clamp_min(0)
+        xb = (torch.rand(2, 280, 64, generator=g) - 0.3).clamp_min(0)
+        xb[:, 5] = xb[:, 9]
+        xa[:, 3] = 0
+        assert reduce_mod._cpu_grid_argmax(xa) is not None, "the compiled CPU kernels must build here"
+        fused = reduce_mod._best_cosine(xa, xb)
+        with monkeypatch.context() as m:
+            m.setattr(reduce_mod, "_cpu_grid_argmax", lambda x: None)
+            plain = reduce_mod._best_cosine(xa, xb)
+        assert torch.equal(fused[0], plain[0]) and torch.equal(fused[1], plain[1])
+        assert not bool((fused[1] == 9).any())  # column 9 duplicates column 5: a tie goes to the first

@@ -168,7 +168,40 @@ torch::Tensor causal_conv1d_fwd(torch::Tensor x, torch::Tensor w, torch::Tensor 
   return out;
 }
 
+// Token matching at an anchor: for each row of a block of similarities sim [G, m, k] (contiguous),
+// round(sim * scale[g, j]) (cosines in units of the tie grid: the rows of sim come from unit vectors, scale is
+// the other side's inverse norm over the grid) and the first column attaining the row's maximum, in one pass
+// in cache instead of three tensor passes.  One multiply per element, so fast-math cannot reassociate it.
+std::vector<torch::Tensor> grid_argmax(torch::Tensor sim, torch::Tensor scale) {
+  TORCH_CHECK(sim.is_contiguous() && scale.is_contiguous(), "inputs must be contiguous");
+  const int64_t G = sim.size(0), m = sim.size(1), k = sim.size(2);
+  auto best = torch::empty({G, m}, sim.options());
+  auto idx = torch::empty({G, m}, sim.options().dtype(torch::kLong));
+  const float *sp = sim.data_ptr<float>(), *cp = scale.data_ptr<float>();
+  float *bestp = best.data_ptr<float>();
+  int64_t *idxp = idx.data_ptr<int64_t>();
+  at::parallel_for(0, G * m, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> vals(k);
+    for (int64_t r = begin; r < end; ++r) {
+      const float *row = sp + r * k, *sc = cp + (r / m) * k;
+      float mx = -INFINITY;
+#pragma omp simd reduction(max : mx)
+      for (int64_t j = 0; j < k; ++j) {
+        const float v = std::nearbyint(row[j] * sc[j]);
+        vals[j] = v;
+        mx = std::max(mx, v);
+      }
+      int64_t at = 0;
+      while (at < k && vals[at] != mx) ++at;
+      bestp[r] = mx;
+      idxp[r] = at;
+    }
+  });
+  return {best, idx};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("grid_argmax", &grid_argmax);
   m.def("selective_scan_fwd", &selective_scan_fwd);
   m.def("causal_conv1d_fwd", &causal_conv1d_fwd);
 }
