@@ -146,6 +146,13 @@ class ResolvedSchedule:
         return {**asdict(self), "anchors": list(self.anchors)}
 
 
+def setting_text(value: Any, sep: str = ",") -> str:
+    """A setting's value as text: anchors joined by ``sep``, numbers in ``:g`` form (labels, command lines)."""
+    if isinstance(value, tuple):
+        return sep.join(map(str, value))
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
 def _check_depth(num_hidden_layers: Any) -> None:
     if isinstance(num_hidden_layers, bool) or not isinstance(num_hidden_layers, int) or num_hidden_layers < 1:
         raise ValueError(f"num_hidden_layers must be a positive int, got {num_hidden_layers!r}")
@@ -251,6 +258,12 @@ class TokenReductionConfig:
         return tuple(out)
 
     # ------------------------------------------------------------------ derived
+
+    def non_default_settings(self) -> dict[str, Any]:
+        """Settings besides ``method`` and ``flops_reduction`` that differ from their defaults, in field order
+        (what a label or a command line must spell out)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if f.name not in ("method", "flops_reduction") and getattr(self, f.name) != f.default}
 
     @property
     def spec(self) -> MethodSpec:

@@ -1,8 +1,8 @@
 """The compiled CPU kernels of the Mamba-1 mixer (``csrc/selective_scan_cpu.cpp``), built on first use.
 
 * ``selective_scan_cpu``: the whole SSM step (``softplus(dt + bias)``, the scan, ``+ D*u``, ``* silu(z)``)
-  in one pass over time, vectorised over blocks of 8 channels with the state in a small array and ``exp``
-  from glibc's libmvec; it reads transformers' transposed views in place (any strides) and writes the
+  in one pass over time, vectorised over blocks of 8 channels with the state in a small array and an
+  inlined polynomial ``exp`` for the decay factors; it reads transformers' transposed views in place (any strides) and writes the
   output time-major, the layout the output projection reads.
 * ``causal_conv1d_cpu``: the depthwise causal convolution + bias + silu in one pass (transformers'
   fallback runs ``F.conv1d`` on a strided copy, then silu, then another copy).
@@ -59,10 +59,6 @@ def available() -> bool:
     return _extension() is not None
 
 
-def _f32(t):
-    return None if t is None else t.float()
-
-
 def _or_empty(t):
     return torch.empty(0) if t is None else t.float().contiguous()
 
@@ -78,7 +74,7 @@ def selective_scan_cpu(hidden_states, dt, A, B, C, D=None, z=None, delta_bias=No
     h0 = (torch.zeros(batch, d_inner, A.shape[-1]) if initial_state is None else initial_state.float()).contiguous()
     y, state = _extension().selective_scan_fwd(
         hidden_states.float(), dt.float(), A.float().contiguous(), B.float(), C.float(), h0,
-        _or_empty(delta_bias), bool(delta_softplus), _or_empty(D), _or_empty(None) if z is None else z.float(),
+        _or_empty(delta_bias), bool(delta_softplus), _or_empty(D), torch.empty(0) if z is None else z.float(),
     )
     y = y.transpose(1, 2).to(hidden_states.dtype)
     return (y, state) if return_last_state else y

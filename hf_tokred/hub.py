@@ -58,7 +58,7 @@ from typing import Any
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig
 
-from .config import METHODS, TokenReductionConfig
+from .config import METHODS, TokenReductionConfig, setting_text
 
 __all__ = [
     "DEFAULT_FLOPS_LENGTH",
@@ -379,18 +379,9 @@ def _eval_sections(result: dict) -> tuple[str, str, str]:
 
 def _cli_flags(cfg: TokenReductionConfig) -> str:
     flags = [f"--method {cfg.method}"]
-    flags.append(f"--flops-reduction {cfg.flops_reduction:g}" if cfg.flops_reduction is not None
-                 else f"--keep-ratio {cfg.keep_ratio:g}")
-    if cfg.anchors is not None:
-        flags.append("--anchors " + ",".join(map(str, cfg.anchors)))
-    if cfg.metric != "clip":
-        flags.append(f"--metric {cfg.metric}")
-    if cfg.q != 0.5:
-        flags.append(f"--q {cfg.q:g}")
-    if cfg.hidden_strategy:
-        flags.append(f"--hidden-strategy {cfg.hidden_strategy}")
-    if cfg.residual_strategy:
-        flags.append(f"--residual-strategy {cfg.residual_strategy}")
+    if cfg.flops_reduction is not None:
+        flags.append(f"--flops-reduction {cfg.flops_reduction:g}")
+    flags += [f"--{k.replace('_', '-')} {setting_text(v)}" for k, v in cfg.non_default_settings().items()]
     return " ".join(flags)
 
 

@@ -123,13 +123,17 @@ class Selection:
     score: torch.Tensor  # [g, R] float
 
 
+def _flat(idx: torch.Tensor, n: int) -> torch.Tensor:
+    """Indices ``idx [g, k]`` into rows of length ``n``, as indices into the flattened ``[g * n]`` rows."""
+    return idx + (torch.arange(idx.shape[0], device=idx.device) * n)[:, None]
+
+
 def _take(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """Gather rows of ``x [g, n, ...]`` along dim 1 with ``idx [g, k]``."""
     if x.dim() == 2:
         return x.gather(1, idx)
-    g, n = x.shape[:2]
-    flat = idx + (torch.arange(g, device=idx.device) * n)[:, None]  # whole rows: index_select, not per element
-    return x.reshape(g * n, *x.shape[2:]).index_select(0, flat.reshape(-1)).view(*idx.shape, *x.shape[2:])
+    g, n = x.shape[:2]  # whole rows: index_select, not a gather per element
+    return x.reshape(g * n, *x.shape[2:]).index_select(0, _flat(idx, n).reshape(-1)).view(*idx.shape, *x.shape[2:])
 
 
 def _top_links(link: torch.Tensor, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -352,19 +356,19 @@ def apply_plan_pair(a: torch.Tensor, b: torch.Tensor, plan: Plan, strategy_a: st
         if w is not None:
             merged |= w[..., 0] > 0
     if bool(merged.any()):
-        B, M = plan.keep.shape
-        flat = torch.arange(B, device=a.device)[:, None] * M + plan.dst_slot  # output row of each source's dst
-        rows = torch.unique(flat[merged])  # the rows that change
-        slot_of_src = torch.searchsorted(rows, flat[merged])
-        tokens = plan.keep.reshape(-1)[rows] + torch.div(rows, M, rounding_mode="floor") * a.shape[1]
+        M, N = plan.keep.shape[1], a.shape[1]
+        dst = _flat(plan.dst_slot, M)[merged]  # output row of each merged source's destination
+        rows = torch.unique(dst)  # the rows that change
+        slot_of_src = torch.searchsorted(rows, dst)
+        tokens = _flat(plan.keep, N).reshape(-1)[rows]  # their input rows
+        sources = _flat(plan.src, N)[merged]
         new = None
         for x, w in zip((a, b), weights):
             flat_x = x.reshape(-1, x.shape[-1])
             val = flat_x.index_select(0, tokens)
             if w is not None:
                 acc = val.float()
-                src = flat_x.index_select(0, (plan.src + torch.arange(B, device=a.device)[:, None] * x.shape[1])[merged])
-                acc.index_add_(0, slot_of_src, src.float() * w[merged])
+                acc.index_add_(0, slot_of_src, flat_x.index_select(0, sources).float() * w[merged])
                 den = torch.ones(len(rows), 1, device=a.device).index_add_(0, slot_of_src, w[merged])
                 val = acc.div_(den).to(x.dtype)
             new = val if new is None else new + val

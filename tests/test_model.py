@@ -8,6 +8,7 @@ import hf_tokred
 from hf_tokred import TokenReductionConfig
 
 from conftest import stock_forward, tiny_model, word_tokenizer
+from robust_helpers import METHOD_STRATEGIES
 from slow_reference import row_plans, slow_forward
 
 ATOL = 1e-5
@@ -59,15 +60,6 @@ def test_flops_zero_and_short_inputs_generate_like_stock(model):
 
 
 # ----------------------------------------------------------------------------- 2/4. what survives, logits, loss
-
-METHOD_STRATEGIES = {
-    "utrc": ("hybrid", "merge"),
-    "utrc_reference": ("hybrid_channel", "merge"),
-    "evit": ("prune", "prune"),
-    "tome": ("merge", "merge"),
-    "prune_only": ("prune", "prune"),
-    "merge_only": ("merge", "merge"),
-}
 
 
 @pytest.mark.parametrize("method", sorted(METHOD_STRATEGIES))

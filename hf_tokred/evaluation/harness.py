@@ -58,7 +58,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from ..config import TokenReductionConfig
+from ..config import TokenReductionConfig, setting_text
 from ..flops import model_flops
 from ..patch import apply_token_reduction, get_token_reduction
 from . import data as data_mod
@@ -510,19 +510,8 @@ def method_label(cfg: TokenReductionConfig | dict | None) -> str:
     if cfg is None:
         return "dense"
     cfg = TokenReductionConfig.coerce(cfg)
-    extra = []
-    if cfg.keep_ratio is not None:
-        extra.append(f"keep={cfg.keep_ratio:g}")
-    if cfg.anchors is not None:
-        extra.append("anchors=" + "-".join(map(str, cfg.anchors)))
-    if cfg.metric != "clip":
-        extra.append(f"metric={cfg.metric}")
-    if cfg.q != 0.5:
-        extra.append(f"q={cfg.q:g}")
-    if cfg.hidden_strategy is not None:
-        extra.append(f"hidden={cfg.hidden_strategy}")
-    if cfg.residual_strategy is not None:
-        extra.append(f"residual={cfg.residual_strategy}")
+    short = {"keep_ratio": "keep", "hidden_strategy": "hidden", "residual_strategy": "residual"}
+    extra = [f"{short.get(k, k)}={setting_text(v, '-')}" for k, v in cfg.non_default_settings().items()]
     return cfg.method + (f"[{','.join(extra)}]" if extra else "")
 
 
