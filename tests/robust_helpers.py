@@ -1,15 +1,15 @@
 """Helpers shared by test_batch.py and test_properties.py: padded batches, row-local plans, a dtype-aware slow
 reference forward, and the per-row removal counts the schedule promises (the oracle for the kept counts).
 
-Everything here is deliberately independent of hf_tokred's internals except ``num_to_remove`` (the documented
-schedule, which the issue names as the oracle) and the Plan fields it reads.
+Everything here is deliberately independent of hf_tokred's internals except the Plan fields it reads: the
+removal counts come from ``slow_reference.documented_num_to_remove`` (exact arithmetic on the ratio the user meant).
 """
 
 from __future__ import annotations
 
 import torch
 
-from slow_reference import slow_apply, slow_weights
+from slow_reference import documented_num_to_remove, slow_apply, slow_weights  # noqa: F401
 
 ATOL = 1e-5
 VOCAB = 96
@@ -79,11 +79,17 @@ def row_local_plans(plans, mask: torch.Tensor, row: int):
     return out
 
 
-@torch.no_grad()
 def slow_forward_any_dtype(model, ids, plans, hidden_strategy, residual_strategy, q, inputs_embeds=None):
-    """Like ``slow_reference.slow_forward`` for a whole prompt, but casting like the real block does
-    (norm in the norm's dtype, residual in fp32 when ``residual_in_fp32``), so it also runs in bf16/fp16.
-    Returns ``(logits of the surviving tokens, [dtype of what leaves each block])``."""
+    """Like ``slow_reference.slow_forward`` for a whole prompt (stock blocks with transformers' own kernels), but
+    casting like the real block does (norm in the norm's dtype, residual in fp32 when ``residual_in_fp32``), so it
+    also runs in bf16/fp16.  Returns ``(logits of the surviving tokens, [dtype of what leaves each block])``."""
+    from conftest import stock_transformers
+
+    with torch.no_grad(), stock_transformers():
+        return _slow_forward_any_dtype(model, ids, plans, hidden_strategy, residual_strategy, q, inputs_embeds)
+
+
+def _slow_forward_any_dtype(model, ids, plans, hidden_strategy, residual_strategy, q, inputs_embeds):
     backbone = model.backbone
     x = backbone.embeddings(ids[None]) if inputs_embeds is None else inputs_embeds[None]
     by_layer = {layer: (pairs, scores) for layer, pairs, scores in plans}
@@ -105,17 +111,15 @@ def slow_forward_any_dtype(model, ids, plans, hidden_strategy, residual_strategy
 
 
 def expected_removed(n: int, protected_local: list[bool], keep_ratio: float, selection: str, pairs: bool) -> int:
-    """How many tokens one anchor removes from a row of ``n`` real tokens: the schedule's
-    ``num_to_remove`` (the documented oracle), limited only by the tokens the selection may not take.
+    """How many tokens one anchor removes from a row of ``n`` real tokens: the documented schedule
+    (``documented_num_to_remove``, exact arithmetic), limited only by the tokens the selection may not take.
 
     * importance_similarity: sources come from the less-important half ``A`` (|A| = n - n//2); protected tokens
       sort to the important end, so only protected tokens beyond n//2 spill into ``A`` and are ineligible.
     * bipartite / reference: sources are the row's even tokens (0, 2, ...) that are not protected.
     * importance (EViT): any unprotected token.
     """
-    from hf_tokred.reduce import num_to_remove
-
-    r = int(num_to_remove(torch.tensor([n]), keep_ratio, pairs)[0])
+    r = documented_num_to_remove(n, keep_ratio, pairs)
     if n < 2 or r == 0:
         return 0
     p = sum(protected_local)
@@ -135,18 +139,6 @@ def schedule_kept(n: int, num_anchors: int, keep_ratio: float, selection: str, p
         n -= expected_removed(n, [False] * (n - 1) + [True] if n else [], keep_ratio, selection, pairs)
         counts.append(n)
     return counts
-
-
-def documented_num_to_remove(n: int, keep_ratio: float, pairs: bool) -> int:
-    """``n - ceil(n * keep_ratio)`` as the docstring states it, with the keep ratio read as the decimal the user
-    typed (``repr``), so 10 * 0.7 keeps exactly 7; capped at ``n // 2`` for pairing methods."""
-    from decimal import Decimal, ROUND_CEILING
-
-    keep = (Decimal(n) * Decimal(repr(float(keep_ratio)))).to_integral_value(rounding=ROUND_CEILING)
-    r = n - int(keep)
-    if pairs:
-        r = min(r, n // 2)
-    return max(r, 0)
 
 
 def assert_close_where_computed(a: torch.Tensor, b: torch.Tensor, atol: float = ATOL, what: str = ""):

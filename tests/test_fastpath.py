@@ -1,4 +1,7 @@
-"""The CPU fast path is installed and gives stock transformers' results (fp32, atol 1e-5)."""
+"""The CPU fast path is installed and gives stock transformers' results (fp32, atol 1e-5).
+
+The reference is always ``conftest.STOCK``: transformers' own functions captured before ``import hf_tokred``.
+"""
 
 import pytest
 import torch
@@ -6,13 +9,14 @@ from transformers.models.mamba import modeling_mamba
 
 from hf_tokred import fastpath
 
-from conftest import stock_forward, tiny_model
+from conftest import STOCK, stock_forward, tiny_model
 
 
 def test_installed_and_restorable():
     assert modeling_mamba.mamba_selective_scan is fastpath.mamba_selective_scan
     with fastpath.stock_kernels():
-        assert modeling_mamba.mamba_selective_scan is not fastpath.mamba_selective_scan
+        assert modeling_mamba.mamba_selective_scan is STOCK.mamba_selective_scan
+        assert modeling_mamba.causal_conv1d_fn is STOCK.causal_conv1d_fn
     assert modeling_mamba.mamba_selective_scan is fastpath.mamba_selective_scan
 
 
@@ -23,12 +27,10 @@ def test_dense_model_and_cache_equal_stock_loop():
     mask[1, :9] = 0
     with torch.no_grad():
         ours = model(ids, attention_mask=mask, use_cache=True)
-        with fastpath.stock_kernels():
-            ref = stock_forward(model, ids, attention_mask=mask, use_cache=True)
+        ref = stock_forward(model, ids, attention_mask=mask, use_cache=True)
         nxt = torch.tensor([[5], [7]])
         ours_step = model(nxt, cache=ours.cache)
-        with fastpath.stock_kernels():
-            ref_step = stock_forward(model, nxt, cache=ref.cache)
+        ref_step = stock_forward(model, nxt, cache=ref.cache)
     assert torch.allclose(ours.logits, ref.logits, atol=1e-5, rtol=0)
     for layer in range(3):  # the final SSM state the cache holds for decoding
         assert torch.allclose(ours.cache.layers[layer].recurrent_states[0], ref.cache.layers[layer].recurrent_states[0],
@@ -43,9 +45,8 @@ def test_cuda_without_mamba_ssm_routes_to_the_triton_scan(monkeypatch):
     u, dt, z = torch.randn(b, d, L), torch.randn(b, d, L), torch.randn(b, d, L)
     A, B, C = -torch.rand(d, n) - 0.1, torch.randn(b, n, L), torch.randn(b, n, L)
     D, bias = torch.randn(d), torch.randn(d)
-    with fastpath.stock_kernels():
-        ref_y, ref_s = modeling_mamba.mamba_selective_scan(u, dt, A, B, C, D=D, z=z, delta_bias=bias,
-                                                           delta_softplus=True, return_last_state=True)
+    ref_y, ref_s = STOCK.mamba_selective_scan(u, dt, A, B, C, D=D, z=z, delta_bias=bias,
+                                              delta_softplus=True, return_last_state=True)
     y, s = fastpath._triton_scan(u, dt, A, B, C, D=D, z=z, delta_bias=bias, delta_softplus=True,
                                  return_last_state=True, use_mambapy=False)
     assert torch.allclose(y, ref_y, atol=1e-5) and torch.allclose(s, ref_s, atol=1e-5)
@@ -61,9 +62,8 @@ def test_compiled_cpu_scan_equals_stock_loop():
     u, dt, z = torch.randn(b, d, L), torch.randn(b, d, L), torch.randn(b, d, L)
     A, B, C = -torch.rand(d, n) * 3 - 0.1, torch.randn(b, n, L), torch.randn(b, n, L)
     D, bias = torch.randn(d), torch.randn(d)
-    with fastpath.stock_kernels():
-        ref_y, ref_s = modeling_mamba.mamba_selective_scan(u, dt, A, B, C, D=D, z=z, delta_bias=bias,
-                                                           delta_softplus=True, return_last_state=True)
+    ref_y, ref_s = STOCK.mamba_selective_scan(u, dt, A, B, C, D=D, z=z, delta_bias=bias,
+                                              delta_softplus=True, return_last_state=True)
     y, s = cpu_kernel.selective_scan_cpu(u, dt, A, B, C, D=D, z=z, delta_bias=bias, delta_softplus=True,
                                          return_last_state=True)
     assert torch.allclose(y, ref_y, atol=1e-5) and torch.allclose(s, ref_s, atol=1e-5)
@@ -91,10 +91,9 @@ def test_compiled_scan_reads_transformers_views(d, n):
     dt, A = torch.randn(b, d, L), -torch.rand(d, n) - 0.1
     D, bias = torch.randn(d), torch.randn(d)
     h0 = torch.randn(b, d, n)
-    with fastpath.stock_kernels():
-        ref_y, ref_s = modeling_mamba.mamba_selective_scan(u, dt, A, B, C, D=D, z=z, delta_bias=bias,
-                                                           delta_softplus=True, return_last_state=True)
-        ref_plain = modeling_mamba.mamba_selective_scan(u, dt.abs() * 0.1, A, B, C)
+    ref_y, ref_s = STOCK.mamba_selective_scan(u, dt, A, B, C, D=D, z=z, delta_bias=bias,
+                                              delta_softplus=True, return_last_state=True)
+    ref_plain = STOCK.mamba_selective_scan(u, dt.abs() * 0.1, A, B, C)
     y, s = cpu_kernel.selective_scan_cpu(u, dt, A, B, C, D=D, z=z, delta_bias=bias, delta_softplus=True,
                                          return_last_state=True)
     torch.testing.assert_close(y, ref_y, atol=1e-5, rtol=1e-6)
@@ -124,12 +123,12 @@ def test_compiled_conv_equals_stock(activation, with_bias):
     b, d, L, k = 3, 21, 19, 4
     x = torch.randn(b, L, 2 * d).transpose(1, 2)[:, :d]
     w, bias = torch.randn(d, k), (torch.randn(d) if with_bias else None)
-    ref = fastpath._STOCK["causal_conv1d_fn"](x, w, bias, activation=activation)
+    ref = STOCK.causal_conv1d_fn(x, w, bias, activation=activation)
     out = fastpath.causal_conv1d_fn(x, w, bias, activation=activation)
     torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-6)
     assert out.shape == (b, d, L) and out.dtype == x.dtype
     torch.testing.assert_close(cpu_kernel.causal_conv1d_cpu(x[..., :1], w, bias, activation),
-                               fastpath._STOCK["causal_conv1d_fn"](x[..., :1], w, bias, activation=activation))
+                               STOCK.causal_conv1d_fn(x[..., :1], w, bias, activation=activation))
     with torch.enable_grad():  # gradients: transformers' own code runs
         xg = x.clone().requires_grad_()
         fastpath.causal_conv1d_fn(xg, w, bias, activation=activation).sum().backward()

@@ -20,7 +20,6 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
-from transformers.models.mamba.modeling_mamba import mamba_selective_scan  # noqa: E402
 
 from hf_tokred import reduce  # noqa: E402
 from hf_tokred.kernels import (  # noqa: E402
@@ -38,6 +37,10 @@ from hf_tokred.kernels import (  # noqa: E402
     unpack_padded,
 )
 from hf_tokred.scan import selective_scan  # noqa: E402
+
+from conftest import STOCK  # noqa: E402
+
+mamba_selective_scan = STOCK.mamba_selective_scan  # transformers' own loop (captured before import hf_tokred)
 
 torch.set_num_threads(1)
 
@@ -112,12 +115,39 @@ def test_fused_plan_matches_reference(selection, strategies):
 
 
 @needs_triton
-@pytest.mark.parametrize("q", [0.0, 0.3, 1.0])
-def test_fused_plan_hybrid_q(q):
-    res, h, _, _, plan = make_case("importance_similarity", lengths=(9, 9, 6), seed=1)
-    ref = apply_plan_fused_reference(res, h, plan, "hybrid_channel", "hybrid", q=q)
-    out, _ = fused_apply_plan(res, h, plan, "hybrid_channel", "hybrid", q=q)
-    torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+@pytest.mark.parametrize("q", [0.0, 0.2, 0.3, 0.8, 1.0])
+@pytest.mark.parametrize("strategies", [("hybrid_channel", "hybrid"), ("merge", "hybrid"), ("hybrid", "prune")],
+                         ids="+".join)
+def test_fused_plan_hybrid_q(q, strategies):
+    """q != 0.5 (where pruning and merging shares differ), rows of 5 sources (q = 0.8 merges exactly one)."""
+    res, h, _, _, plan = make_case("importance_similarity", lengths=(10, 10, 7), keep_ratio=0.5, seed=1)
+    assert plan.num_removed.tolist() == [5, 5, 3]
+    ref = apply_plan_fused_reference(res, h, plan, *strategies, q=q)
+    for backend in BACKENDS:
+        with force_backend(backend):
+            out, _ = fused_apply_plan(res, h, plan, *strategies, q=q)
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=0, msg=lambda m: f"{backend}: {m}")
+
+
+def test_fused_reference_weights_by_hand():
+    """The reference's documented rule on a hand-made plan: one row, sources 0, 2, 4, 6, 8 (importance 5, 1, 4, 2,
+    3) fold into 1, 3, 5, 7, 9; q = 0.8 merges the single most important source (token 0), q = 0.4 the top three."""
+    keep = torch.tensor([[1, 3, 5, 7, 9, 10]])
+    src = torch.tensor([[0, 2, 4, 6, 8]])
+    plan = reduce.Plan(keep, torch.ones_like(keep, dtype=torch.bool), src, src + 1, torch.arange(5)[None],
+                       torch.ones_like(src, dtype=torch.bool), torch.tensor([[5.0, 1.0, 4.0, 2.0, 3.0]]))
+    x = torch.arange(11.0)[None, :, None].repeat(1, 1, 2)
+    x[0, 0, 1] = -100.0  # channel 1: source 0 is the smallest value
+    zero = torch.zeros_like(x)
+    out = apply_plan_fused_reference(zero, x, plan, "prune", "hybrid", q=0.8)[0, :, 0]
+    assert out.tolist() == [0.5, 3.0, 5.0, 7.0, 9.0, 10.0]  # (1 + 0) / 2, the rest unchanged
+    out = apply_plan_fused_reference(zero, x, plan, "prune", "hybrid", q=0.4)[0, :, 0]
+    assert out.tolist() == [0.5, 3.0, 4.5, 7.0, 8.5, 10.0]  # sources 0, 4, 8 (importance 5, 4, 3)
+    out = apply_plan_fused_reference(zero, x, plan, "prune", "hybrid_channel", q=0.8)[0]
+    assert out[:, 0].tolist() == [1.0, 3.0, 5.0, 7.0, 8.5, 10.0]  # channel 0: the largest value, source 8
+    assert out[:, 1].tolist() == [1.0, 3.0, 5.0, 7.0, 8.5, 10.0]  # channel 1 too (source 0 is -100 there)
+    out = apply_plan_fused_reference(x, zero, plan, "merge", "prune")[0, :, 0]
+    assert out.tolist() == [0.5, 2.5, 4.5, 6.5, 8.5, 10.0]
 
 
 @needs_triton

@@ -5,7 +5,9 @@ import math
 import pytest
 import torch
 
-from hf_tokred.reduce import apply_plan, importance, make_plan, num_to_remove, select
+from hf_tokred.reduce import Plan, apply_plan, apply_plan_pair, importance, make_plan, num_to_remove, select
+
+from slow_reference import documented_merge_count, documented_num_to_remove
 
 # ----------------------------------------------------------------------------- slow references
 
@@ -95,7 +97,66 @@ def test_num_to_remove():
     assert num_to_remove(n, 0.9, pairs=True).tolist() == [0, 0, 0, 1, 3, 10]
     assert num_to_remove(n, 0.3, pairs=True).tolist() == [0, 0, 1, 5, 18, 50]  # capped at n // 2
     assert num_to_remove(n, 0.3, pairs=False).tolist() == [0, 0, 1, 7, 25, 70]
-    assert num_to_remove(torch.tensor([10]), 0.7, pairs=False).tolist() == [3]  # 10 * 0.7 is 7.000000000000001
+    assert num_to_remove(torch.tensor([10]), 0.7, pairs=False).tolist() == [3]
+
+
+GUARD_CASES = [(100, 0.55, 55), (25, 0.56, 14), (25, 0.28, 7), (200, 0.55, 110)]  # float product > the integer
+
+
+@pytest.mark.parametrize("n, keep, kept", [*GUARD_CASES, (100, 0.29, 29), (1000, 0.9729, 973), (3, 1 / 3, 1),
+                                           (7, 5 / 7, 5), (14, 5 / 7, 10), (10, 0.7, 7)])
+@pytest.mark.parametrize("pairs", [False, True])
+def test_num_to_remove_rounding_guard(n, keep, kept, pairs):
+    """Ratios whose product with n is an integer exactly, but not in float arithmetic (100 * 0.55 is
+    55.00000000000001, 25 * 0.56 is 14.000000000000002): exactly n * keep tokens are kept (hand-computed and the
+    exact-arithmetic oracle agree), not one more."""
+    assert documented_num_to_remove(n, keep, False) == n - kept
+    want = min(n - kept, n // 2) if pairs else n - kept
+    assert num_to_remove(torch.tensor([n]), keep, pairs).tolist() == [want]
+    assert num_to_remove(torch.tensor([n, 2 * n]), keep, pairs).tolist() == [
+        documented_num_to_remove(n, keep, pairs), documented_num_to_remove(2 * n, keep, pairs)]
+
+
+def test_rounding_guard_cases_are_real():
+    """The cases above need the guard: float arithmetic puts the product just above the integer."""
+    assert all(n * keep > kept for n, keep, kept in GUARD_CASES)
+    assert 5 * (1 - 0.8) < 1 and 10 * (1 - 0.9) < 1  # q = 0.8 / 0.9: floor would merge one token too few
+
+
+def _plan_with_sources(n_src: int, scores: list[float]) -> tuple[Plan, torch.Tensor]:
+    """A one-row plan on 2 n_src + 1 tokens: source 2i (importance scores[i]) merges into token 2i + 1."""
+    n = 2 * n_src + 1
+    keep = torch.tensor([[i for i in range(n) if i % 2 or i == n - 1]])
+    src = torch.arange(0, 2 * n_src, 2)[None]
+    dst = src + 1
+    slot = torch.tensor([[list(keep[0]).index(int(d)) for d in dst[0]]])
+    plan = Plan(keep, torch.ones_like(keep, dtype=torch.bool), src, dst, slot, torch.ones_like(src, dtype=torch.bool),
+                torch.tensor([scores]))
+    return plan, torch.randn(1, n, 3, generator=torch.Generator().manual_seed(n_src))
+
+
+@pytest.mark.parametrize("q, n_src, merged", [(0.8, 5, 1), (0.6, 5, 2), (0.7, 10, 3), (0.9, 10, 1), (0.2, 5, 4),
+                                              (0.0, 5, 5), (1.0, 5, 0), (0.5, 3, 1), (0.3, 10, 7)])
+def test_hybrid_merge_count_rounding_guard(q, n_src, merged):
+    """The hybrid strategies merge floor(r (1 - q)) of r sources, computed exactly: q = 0.8 with 5 sources merges 1
+    (5 * (1 - 0.8) is 0.9999999999999998 in floats), for the token-level and the per-channel hybrid alike."""
+    assert documented_merge_count(n_src, q) == merged
+    scores = [float(v) for v in torch.randperm(n_src, generator=torch.Generator().manual_seed(1))]
+    plan, x = _plan_with_sources(n_src, scores)
+    for strategy in ("hybrid", "hybrid_channel"):
+        out = apply_plan(x, plan, strategy, q)[0]
+        if strategy == "hybrid":  # the `merged` most important sources fold into their destination
+            chosen = sorted(range(n_src), key=lambda i: -scores[i])[:merged]
+            w = torch.zeros(n_src, 3)
+            w[chosen] = 1.0
+        else:  # per channel, the `merged` largest source values
+            vals = x[0, 0 : 2 * n_src : 2]
+            w = torch.zeros(n_src, 3)
+            w.scatter_(0, torch.sort(vals, dim=0, descending=True, stable=True).indices[:merged], 1.0)
+        want = (x[0, 1 : 2 * n_src : 2] + w * x[0, 0 : 2 * n_src : 2]) / (1 + w)
+        torch.testing.assert_close(out[:n_src], want, msg=lambda m: f"{strategy}: {m}")
+        both = apply_plan_pair(x, 2 * x, plan, "merge", strategy, q)[0]
+        torch.testing.assert_close(both[:n_src], (x[0, 1 : 2 * n_src : 2] + x[0, 0 : 2 * n_src : 2]) / 2 + 2 * want)
 
 
 @pytest.mark.parametrize("metric", ["clip", "l2", "noclip"])
@@ -180,10 +241,10 @@ def test_apply_plan_matches_slow_reference(strategy, selection):
         weights = [[1.0] * 6 for _ in pairs]
     elif strategy == "hybrid":  # the floor(r (1-q)) most important sources merge
         scores = [float(s) for s, ok in zip(plan.src_score[0], plan.src_mask[0]) if ok]
-        ranked = sorted(range(r), key=lambda i: (-scores[i], i))[: math.floor(r * (1 - q))]
+        ranked = sorted(range(r), key=lambda i: (-scores[i], i))[: documented_merge_count(r, q)]
         weights = [[1.0 if i in ranked else 0.0] * 6 for i in range(r)]
     else:  # per channel, the floor(r (1-q)) largest source values merge
-        k = math.floor(r * (1 - q))
+        k = documented_merge_count(r, q)
         weights = [[0.0] * 6 for _ in pairs]
         for d in range(6):
             vals = [float(x[0, s, d]) for s, _ in pairs]
@@ -218,7 +279,7 @@ def test_order_last_token_protection_and_padding(selection):
     keep_ratio = 0.7
     pairs = selection != "importance"
     plan = make_plan(h, mask, protected, keep_ratio, selection, "clip", pairs)
-    expect_removed = num_to_remove(torch.tensor(lengths), keep_ratio, pairs)
+    expect_removed = torch.tensor([documented_num_to_remove(n, keep_ratio, pairs) for n in lengths])
     assert plan.num_removed.tolist() == expect_removed.tolist()
     M = plan.keep.shape[1]
     for b, n in enumerate(lengths):
@@ -266,8 +327,6 @@ def test_deterministic_under_ties():
 def test_apply_plan_pair_equals_two_branches(selection):
     """The CPU two-branch apply (one gather of the kept rows, merged rows recomputed) equals the two separate
     applies bit for bit, for every pair of strategies, with padding and mixed dtypes."""
-    from hf_tokred.reduce import apply_plan_pair
-
     torch.manual_seed(5)
     h, res = torch.randn(3, 41, 12).to(torch.bfloat16), torch.randn(3, 41, 12)
     mask = torch.ones(3, 41, dtype=torch.bool)

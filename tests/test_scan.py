@@ -1,17 +1,25 @@
-"""Tests for ``hf_tokred.scan.selective_scan`` against transformers' per-step reference loop."""
+"""Tests for ``hf_tokred.scan.selective_scan`` against transformers' per-step reference loop.
+
+The reference is ``conftest.STOCK.mamba_selective_scan``: transformers' own function, captured before
+``import hf_tokred`` rebinds ``modeling_mamba.mamba_selective_scan`` to the plugin's dispatcher.
+"""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from transformers import MambaConfig, MambaForCausalLM
 from transformers.models.mamba import modeling_mamba
-from transformers.models.mamba.modeling_mamba import mamba_selective_scan
 
+from hf_tokred import fastpath
 from hf_tokred.scan import selective_scan
+
+from conftest import STOCK, examples, stock_transformers
+
+mamba_selective_scan = STOCK.mamba_selective_scan  # transformers' own loop, not the plugin's dispatcher
 
 ATOL = 1e-5
 
@@ -85,7 +93,7 @@ def test_strong_decay_is_stable() -> None:
     assert torch.isfinite(selective_scan(**inputs, delta_softplus=True)).all()
 
 
-@settings(max_examples=8, deadline=None, derandomize=True)
+@examples(8)
 @given(
     batch=st.integers(1, 2),
     d_inner=st.integers(1, 12),
@@ -143,15 +151,23 @@ def test_low_precision_input_returns_input_dtype_and_fp32_state() -> None:
     torch.testing.assert_close(y.float(), y_fp32, atol=0.1, rtol=0.02)  # only bf16 output rounding differs
 
 
-def test_gradients_match_transformers() -> None:
-    def grads(fn, **kw) -> list[torch.Tensor]:
-        inputs = {k: v.requires_grad_() for k, v in make_inputs(d_inner=8, n_state=4, length=30).items()}
-        y, state = fn(**inputs, delta_softplus=True, return_last_state=True, **kw)
-        (y.square().sum() + state.square().sum()).backward()
-        return [v.grad for v in inputs.values()]
+@pytest.mark.parametrize("scan", ["chunked", "dispatcher"])
+def test_gradients_match_transformers(scan) -> None:
+    """The gradient of every input (u, dt, A, B, C, D, z, bias) equals transformers' loop's."""
+    fn = {"chunked": lambda **kw: selective_scan(**kw, chunk_size=7), "dispatcher": fastpath.mamba_selective_scan}[scan]
 
-    for g, g_ref in zip(grads(selective_scan, chunk_size=7), grads(mamba_selective_scan)):
-        torch.testing.assert_close(g, g_ref, atol=1e-4, rtol=1e-4)
+    def grads(fn) -> dict[str, torch.Tensor]:
+        inputs = {k: v.requires_grad_() for k, v in make_inputs(d_inner=8, n_state=4, length=30).items()}
+        y, state = fn(**inputs, delta_softplus=True, return_last_state=True)
+        w = torch.randn(y.shape, generator=torch.Generator().manual_seed(9))
+        ((y * w).sum() + state.square().sum()).backward()
+        return {k: v.grad for k, v in inputs.items()}
+
+    got, ref = grads(fn), grads(mamba_selective_scan)
+    assert set(got) == {"hidden_states", "dt", "A", "B", "C", "D", "z", "delta_bias"}
+    for name, g_ref in ref.items():
+        assert got[name] is not None, f"no gradient for {name}"
+        torch.testing.assert_close(got[name], g_ref, atol=1e-4, rtol=1e-4, msg=lambda m: f"d/d{name}: {m}")
 
 
 def test_transformers_flags_ignored_and_bad_arguments_rejected() -> None:
@@ -184,7 +200,8 @@ def _counting(fn):
 @torch.no_grad()
 def test_mamba_model_logits_unchanged_when_patched(monkeypatch: pytest.MonkeyPatch) -> None:
     model, input_ids = _tiny_mamba()
-    expected = model(input_ids, use_cache=False).logits
+    with stock_transformers():
+        expected = model(input_ids, use_cache=False).logits
     patched = _counting(selective_scan)
     monkeypatch.setattr(modeling_mamba, "mamba_selective_scan", patched)
     logits = model(input_ids, use_cache=False).logits
@@ -198,7 +215,8 @@ def test_mamba_generation_unchanged_when_patched(monkeypatch: pytest.MonkeyPatch
     model, input_ids = _tiny_mamba()
     kwargs = {"attention_mask": torch.ones_like(input_ids), "max_new_tokens": 3, "do_sample": False,
               "output_logits": True, "return_dict_in_generate": True, "pad_token_id": 0}
-    expected = model.generate(input_ids, **kwargs)
+    with stock_transformers():
+        expected = model.generate(input_ids, **kwargs)
     monkeypatch.setattr(modeling_mamba, "mamba_selective_scan", selective_scan)
     out = model.generate(input_ids, **kwargs)
     assert torch.equal(out.sequences, expected.sequences)
