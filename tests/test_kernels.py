@@ -13,6 +13,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import ast  # noqa: E402
+import contextlib  # noqa: E402
 import logging  # noqa: E402
 import math  # noqa: E402
 import sys  # noqa: E402
@@ -482,3 +483,88 @@ def test_runs_without_triton_or_mamba_ssm(monkeypatch):
     kw = scan_inputs((3, 2), seed=30)
     y, _ = selective_scan_varlen(**{k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in kw.items()})
     assert torch.isfinite(y).all()
+
+
+# ---------------------------------------------------------------------------------------------------
+# the reducing model's CUDA branch, run on CPU
+
+
+@contextlib.contextmanager
+def cuda_anchor_branch():
+    """Within the block, the reducing loop's anchor code takes its CUDA branch on CPU tensors: only inside
+    ``hf_tokred.patch._apply_both`` does a tensor report device type ``"cuda"`` (the branch test); everything else
+    sees the real device.  Yields the list of ``fused_apply_plan`` calls made through that branch."""
+    from hf_tokred import kernels, patch
+
+    calls = []
+    fused = kernels.fused_apply_plan
+
+    def spy(*args, **kwargs):
+        calls.append(args[3:])
+        return fused(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as m:
+        if hasattr(patch, "FUSED_APPLY_DEVICES"):  # a module-level switch, when patch.py has one
+            m.setattr(patch, "FUSED_APPLY_DEVICES", frozenset({"cpu", "cuda"}))
+        else:
+            real = torch._C.TensorBase.device.__get__
+            branch = patch._apply_both.__code__
+
+            class _Cuda:
+                type = "cuda"
+
+            def device(self):
+                return _Cuda if sys._getframe(1).f_code is branch else real(self)
+
+            m.setattr(torch.Tensor, "device", property(device))
+        m.setattr(kernels, "fused_apply_plan", spy)
+        yield calls
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("family", ["mamba", "mamba2"])
+@pytest.mark.parametrize("method, q", [("utrc", 0.2), ("utrc", 0.8), ("utrc_reference", 0.3), ("evit", 0.5)])
+def test_reducing_model_cuda_branch(backend, family, method, q):
+    """The anchor code's CUDA branch (the fused op: residual and hidden branch each with its own strategy and q)
+    gives the slow reference's logits and the CPU branch's logits and gradients, kernel or torch backend."""
+    import hf_tokred
+    from hf_tokred import TokenReductionConfig
+
+    from conftest import tiny_model
+    from slow_reference import row_plans, slow_forward
+
+    model = tiny_model(family, layers=4)
+    cfg = TokenReductionConfig(method=method, keep_ratio=0.55, anchors=[0, 2], q=q)
+    hf_tokred.apply_token_reduction(model, cfg)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(2, 96, (2, 21), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :6] = 0
+
+    def run(fused_path, grad_weights=None):
+        model.zero_grad(set_to_none=True)
+        with contextlib.ExitStack() as stack:
+            calls = stack.enter_context(cuda_anchor_branch()) if fused_path else []
+            stack.enter_context(force_backend(backend))
+            stack.enter_context(torch.set_grad_enabled(grad_weights is not None))
+            out = model(ids, attention_mask=mask)
+            if grad_weights is not None:
+                (out.logits.nan_to_num(0) * grad_weights).sum().backward()
+        return out, calls, {k: p.grad for k, p in model.named_parameters()}
+
+    cpu_branch, _, _ = run(False)
+    out, calls, _ = run(True)
+    assert len(calls) == len(out.plans) == 2  # every anchor went through the fused op
+    assert all(args[:3] == (cfg.residual, cfg.hidden, q) for args in calls)
+    torch.testing.assert_close(out.logits, cpu_branch.logits, atol=1e-5, rtol=0, equal_nan=True)
+    for b in range(2):
+        real = mask[b].nonzero().flatten()
+        kept = out.computed_mask[b].nonzero().flatten()
+        ref = slow_forward(model, ids[b, real], row_plans(out.plans, mask.bool(), b), len(real), cfg.hidden,
+                           cfg.residual, q)
+        torch.testing.assert_close(out.logits[b, kept], ref, atol=1e-5, rtol=0)
+    if backend == "torch":  # the fused op's backward equals the CPU branch's autograd
+        w = torch.randn(out.logits.shape, generator=g).masked_fill(~out.computed_mask[..., None], 0)
+        fused_grads, cpu_grads = run(True, w)[2], run(False, w)[2]
+        for k, grad in cpu_grads.items():
+            torch.testing.assert_close(fused_grads[k], grad, atol=1e-5, rtol=1e-4, msg=lambda m: f"d/d{k}: {m}")

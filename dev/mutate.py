@@ -1,0 +1,465 @@
+#!/usr/bin/env python
+"""Mutation testing for hf_tokred's core: plant one small bug at a time and check that a test fails.
+
+The working tree is never modified: the package and the tests are copied to a scratch directory (``--workdir``),
+each mutant is written into that copy, the tests that cover the mutated module run there (``-x``, one process per
+mutant, a per-mutant timeout), and the copy's file is restored in a ``finally`` before the next mutant.  The C++
+kernels are built into the scratch directory's own extension cache.
+
+Mutants:
+
+* generated: in the core functions of each module (``TARGETS``), every comparison flipped (``<`` <-> ``<=``,
+  ``==`` <-> ``!=`` ...), arithmetic operator swapped (``+`` <-> ``-``, ``*`` <-> ``/``), ``True`` <-> ``False``,
+  ``and`` <-> ``or``, ``min`` <-> ``max``, ``ceil`` <-> ``floor``, ``any`` <-> ``all``, small integer constants
+  off by one, epsilons (``1e-9`` ...) dropped, ``not`` removed;
+* planted (``PLANTED``): the realistic bugs a reviewer fears -- dropped gradients, swapped arguments, inverted
+  ``q``, removed rounding guards, dropped FLOPs terms -- and mutants of the C++ kernels.
+
+Usage (from the repository root; prints one line per mutant and a summary; ``--json`` saves the results)::
+
+    .venv/bin/python dev/mutate.py                          # everything (about an hour on 2 busy cores)
+    .venv/bin/python dev/mutate.py --modules reduce,flops   # some modules
+    .venv/bin/python dev/mutate.py --list                   # the mutants only
+    .venv/bin/python dev/mutate.py --only planted:q-inverted,reduce:17
+
+Equivalent mutants (no test can tell them apart from the original) are listed in ``EQUIVALENT`` with the
+reason; they are reported separately and left out of the score.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import io
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import tokenize
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Target:
+    path: str
+    functions: tuple[str, ...]  # qualified names ("Class.method", "outer"); () = the whole module
+    tests: tuple[str, ...]
+
+
+# The modules of the core, the functions mutated in each, and the tests that cover them.
+_MODEL_TESTS = ("tests/test_model.py", "tests/test_oracles.py", "tests/test_batch.py",
+                "tests/test_kernels.py::test_reducing_model_cuda_branch", "tests/test_properties.py")
+TARGETS = {
+    "reduce": Target("hf_tokred/reduce.py", (), (
+        "tests/test_reduce.py", "tests/test_properties.py", "tests/test_kernels.py", "tests/test_model.py",
+        "tests/test_oracles.py::test_reduced_backward_equals_slow_reference", "tests/test_batch.py")),
+    "patch": Target("hf_tokred/patch.py", (
+        "_anchor_block", "_apply_both", "_reduced_backbone", "_protected_for", "_scatter_to_positions",
+        "_computed_mask", "_reduced_loss", "_patch_lm_forward"), _MODEL_TESTS),
+    "scan": Target("hf_tokred/scan.py", (), (
+        "tests/test_scan.py", "tests/test_oracles.py", "tests/test_fastpath.py")),
+    "cpu_kernel": Target("hf_tokred/cpu_kernel.py", ("_or_empty", "selective_scan_cpu", "causal_conv1d_cpu",
+                                                     "grid_argmax"), (
+        "tests/test_fastpath.py", "tests/test_oracles.py", "tests/test_scan.py", "tests/test_reduce.py")),
+    "flops": Target("hf_tokred/flops.py", (
+        "FlopsBreakdown.total", "FlopsBreakdown.matmul", "FlopsBreakdown.__add__", "_int", "_lengths",
+        "_lm_head_positions", "_mamba1_layer", "_mamba2_layer", "layer_flops", "model_flops", "flops_reduction",
+        "proxy_flops_reduction"), ("tests/test_flops.py",)),
+    "config": Target("hf_tokred/config.py", (
+        "default_anchors", "proxy_flops_reduction", "solve_keep_ratio", "TokenReductionConfig.__post_init__",
+        "TokenReductionConfig._check_anchors", "TokenReductionConfig.min_keep_ratio", "TokenReductionConfig.hidden",
+        "TokenReductionConfig.residual", "TokenReductionConfig.resolve", "_check_depth", "_real"), (
+        "tests/test_config.py", "tests/test_properties.py", "tests/test_model.py", "tests/test_batch.py")),
+}
+TARGETS["csrc"] = Target("hf_tokred/csrc/selective_scan_cpu.cpp", (), TARGETS["cpu_kernel"].tests)
+
+
+@dataclass(frozen=True)
+class Mutant:
+    id: str
+    module: str
+    line: int
+    old: str  # the exact text replaced (at `line`, first occurrence at or after `col`)
+    new: str
+    col: int = 0
+    note: str = ""
+
+    def describe(self) -> str:
+        return self.note or f"{self.old!r} -> {self.new!r}"
+
+
+# ----------------------------------------------------------------------------- planted (hand-written) mutants
+
+PLANTED = [  # (id, module, old, new, what it models)
+    ("D-grad-dropped", "scan", "y = y + u * D.float()[:, None]", "y = y + u * D.float().detach()[:, None]",
+     "the gradient of D is dropped (the audit's survivor)"),
+    ("z-gate-grad-dropped", "scan", "y = y * F.silu(z.float())", "y = y * F.silu(z.float()).detach()",
+     "the gradient through the gate is dropped"),
+    ("bias-grad-dropped", "scan", "dt = dt + delta_bias.float()[:, None]", "dt = dt + delta_bias.detach().float()[:, None]",
+     "the gradient of the dt bias is dropped"),
+    ("carry-decay-last", "scan", "next_state = (decay[:, -1] * state)", "next_state = (decay[:, -2] * state)",
+     "the carried state uses the wrong step's decay"),
+    ("keep-guard-removed", "reduce", "torch.ceil(n * keep_ratio - 1e-9)", "torch.ceil(n * keep_ratio)",
+     "the rounding guard of num_to_remove is removed"),
+    ("keep-guard-wrong-side", "reduce", "torch.ceil(n * keep_ratio - 1e-9)", "torch.ceil(n * keep_ratio + 1e-9)",
+     "the rounding guard pushes the wrong way"),
+    ("merge-guard-removed", "reduce", "n_merge = torch.floor(valid.sum(1) * (1.0 - q) + 1e-9)",
+     "n_merge = torch.floor(valid.sum(1) * (1.0 - q))", "the hybrid merge count loses its rounding guard"),
+    ("channel-guard-removed", "reduce", "k = torch.floor(valid.sum(1) * (1.0 - q) + 1e-9)",
+     "k = torch.floor(valid.sum(1) * (1.0 - q))", "the per-channel hybrid loses its rounding guard"),
+    ("q-inverted", "reduce", "n_merge = torch.floor(valid.sum(1) * (1.0 - q) + 1e-9)",
+     "n_merge = torch.floor(valid.sum(1) * q + 1e-9)", "hybrid: q read as the merge share (inverted)"),
+    ("q-inverted-channel", "reduce", "k = torch.floor(valid.sum(1) * (1.0 - q) + 1e-9)",
+     "k = torch.floor(valid.sum(1) * q + 1e-9)", "per-channel hybrid: q inverted"),
+    ("hybrid-least-important-merge", "reduce", "plan.src_score.masked_fill(~valid, -math.inf), dim=1, descending=True",
+     "plan.src_score.masked_fill(~valid, math.inf), dim=1, descending=False",
+     "hybrid merges the least important sources instead of the most important"),
+    ("pair-strategies-swapped", "reduce",
+     "weights = [_merge_weights(plan, st, q, None) for st in (strategy_a, strategy_b)]",
+     "weights = [_merge_weights(plan, st, q, None) for st in (strategy_b, strategy_a)]",
+     "the CPU two-branch apply swaps the branches' strategies"),
+    ("merge-den-dropped", "reduce", "val = acc.div_(den).to(x.dtype)", "val = acc.to(x.dtype)",
+     "the CPU two-branch apply forgets to normalise merged rows"),
+    ("cuda-branch-swapped", "patch", "fused_apply_plan(residual, h, plan, cfg.residual, cfg.hidden, cfg.q)",
+     "fused_apply_plan(residual, h, plan, cfg.hidden, cfg.residual, cfg.q)",
+     "the anchor's CUDA branch swaps the two branches' strategies (the audit's survivor)"),
+    ("cuda-branch-q", "patch", "fused_apply_plan(residual, h, plan, cfg.residual, cfg.hidden, cfg.q)",
+     "fused_apply_plan(residual, h, plan, cfg.residual, cfg.hidden, 1 - cfg.q)", "the CUDA branch inverts q"),
+    ("cpu-branch-swapped", "patch", "apply_plan_pair(residual, h, plan, cfg.residual, cfg.hidden, cfg.q)",
+     "apply_plan_pair(residual, h, plan, cfg.hidden, cfg.residual, cfg.q)",
+     "the anchor's CPU branch swaps the two branches' strategies"),
+    ("plan-on-residual", "patch", "plan = make_plan(h[:, :prefix].detach()", "plan = make_plan(residual[:, :prefix].detach()",
+     "the plan is made from the residual instead of the mixer output"),
+    ("anchor-mixer-detached", "patch", "h = block.mixer(h, cache=cache, attention_mask=layer_mask, **mixer_kwargs)",
+     "h = block.mixer(h, cache=cache, attention_mask=layer_mask, **mixer_kwargs).detach()",
+     "the anchor block's mixer output carries no gradient"),
+    ("flops-dt-bias-dropped", "flops", "proj_ew = tokens * D + tokens * d", "proj_ew = tokens * d",
+     "Mamba-1: the dt_proj bias add is not counted (the audit's survivor)"),
+    ("flops-gate-dropped", "flops", "scan_ew = 7 * tokens * D * N + 2 * tokens * D + tokens * D",
+     "scan_ew = 7 * tokens * D * N + 2 * tokens * D", "Mamba-1: the gate multiply is not counted"),
+    ("flops-dskip-dropped", "flops", "scan_ew = 7 * tokens * D * N + 2 * tokens * D + tokens * D",
+     "scan_ew = 7 * tokens * D * N + tokens * D", "Mamba-1: the D skip is not counted"),
+    ("flops-xdt-dropped", "flops", "+ L * D  # x * dt", "+ 0  # x * dt", "Mamba-2: x * dt is not counted"),
+    ("flops-segsum-dropped", "flops", "+ H * (nc + 1) ** 2  # inter-chunk", "+ 0  # inter-chunk",
+     "Mamba-2: the inter-chunk segment sum is not counted"),
+    ("flops-gated-norm", "flops", "norm = 4 * tokens * d + 5 * tokens * D", "norm = 4 * tokens * d + 4 * tokens * D",
+     "Mamba-2: the gated norm's gate multiply is not counted"),
+    ("flops-residual-dropped", "flops", "proj_ew = tokens * d  # residual add", "proj_ew = 0  # residual add",
+     "Mamba-2: the residual add is not counted"),
+    # the C++ kernels (each one rebuilds the extension)
+    ("cpp-D-skip-dropped", "csrc", "const float o = acc[j] + dsk[j] * x[j];", "const float o = acc[j];",
+     "compiled scan: D skip dropped"),
+    ("cpp-softplus-threshold", "csrc", "return v > 20.f ? v :", "return v > 2.f ? v :",
+     "compiled scan: softplus linearised too early"),
+    ("cpp-exp-clamp", "csrc", "x = std::min(std::max(x, -87.3f), 88.3f);", "x = std::min(std::max(x, -8.73f), 88.3f);",
+     "compiled scan: decays clamped too early"),
+    ("cpp-h0-ignored", "csrc", "s[n][j] = ok ? h0[(b * D + d0 + j) * N + n] : 0.f;", "s[n][j] = 0.f;",
+     "compiled scan: initial state ignored"),
+    ("cpp-B-C-swapped", "csrc", "acc[j] += cn * sn;", "acc[j] += bn * sn;", "compiled scan: B read for C"),
+    ("cpp-bias-dropped", "csrc", "const float dv = v[j] + bs[j];", "const float dv = v[j];",
+     "compiled scan: dt bias dropped"),
+    ("cpp-conv-first-step", "csrc", "if (tt < 0) continue;", "if (tt <= 0) continue;",
+     "compiled conv: the first time step never contributes"),
+    ("cpp-conv-bias", "csrc", "o[d] = bp ? bp[d] : 0.f;", "o[d] = 0.f;", "compiled conv: bias dropped"),
+    ("cpp-argmax-last", "csrc", "int64_t at = 0;\n      while (at < k && vals[at] != mx) ++at;",
+     "int64_t at = k - 1;\n      while (at > 0 && vals[at] != mx) --at;", "grid_argmax: ties go to the last column"),
+]
+
+# Generated mutants that no test can distinguish from the original: "<module>:<line text stripped>:<old>-><new>"
+# -> reason.  Keys are matched on the stripped source line, so they survive unrelated edits elsewhere.
+EQUIVALENT: dict[str, str] = {}
+
+
+# ----------------------------------------------------------------------------- generated mutants
+
+_OPS = {"<": ["<="], "<=": ["<"], ">": [">="], ">=": [">"], "==": ["!="], "!=": ["=="], "+": ["-"], "-": ["+"],
+        "*": ["/"], "/": ["*"], "+=": ["-="], "-=": ["+="], "//": ["*"], "|=": ["&="], "&=": ["|="]}
+_NAMES = {"True": ["False"], "False": ["True"], "and": ["or"], "or": ["and"], "min": ["max"], "max": ["min"],
+          "ceil": ["floor"], "floor": ["ceil"], "any": ["all"], "all": ["any"], "minimum": ["maximum"],
+          "maximum": ["minimum"], "clamp_min": ["clamp_max"]}
+
+
+def _qualified_functions(tree: ast.Module):
+    def walk(node, prefix):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                name = f"{prefix}{child.name}"
+                if not isinstance(child, ast.ClassDef):
+                    yield name, child
+                yield from walk(child, name + ".")
+
+    yield from walk(tree, "")
+
+
+def _excluded_lines(fn: ast.AST) -> set[int]:
+    """Docstrings, raise statements, logging calls: text, not behaviour."""
+    out = set()
+    for node in ast.walk(fn):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+                out.update(range(first.lineno, first.end_lineno + 1))
+            out.add(node.lineno)  # the def line (defaults, annotations)
+        if isinstance(node, ast.Raise) or (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                                           and node.func.attr in ("warning", "info", "debug")):
+            out.update(range(node.lineno, node.end_lineno + 1))
+    return out
+
+
+def generated_mutants(module: str, target: Target) -> list[Mutant]:
+    source = (ROOT / target.path).read_text()
+    tree = ast.parse(source)
+    lines: set[int] = set()
+    excluded: set[int] = set()
+    found = set()
+    for name, fn in _qualified_functions(tree):
+        if not target.functions or name in target.functions:
+            found.add(name)
+            lines.update(range(fn.lineno, fn.end_lineno + 1))
+            excluded |= _excluded_lines(fn)
+    missing = set(target.functions) - found
+    if missing:
+        raise SystemExit(f"{target.path}: functions not found: {sorted(missing)}")
+    lines -= excluded
+    out = []
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        row, col = tok.start
+        if row not in lines or tok.type in (tokenize.STRING, tokenize.COMMENT):
+            continue
+        news = []
+        if tok.type == tokenize.OP and tok.string in _OPS:
+            news = _OPS[tok.string]
+        elif tok.type == tokenize.NAME and tok.string in _NAMES:
+            news = _NAMES[tok.string]
+        elif tok.type == tokenize.NAME and tok.string == "not":
+            news = [""]
+        elif tok.type == tokenize.NUMBER:
+            value = ast.literal_eval(tok.string)
+            if isinstance(value, int):
+                news = [str(value + 1)] + ([str(value - 1)] if value > 0 else [])
+            elif isinstance(value, float) and 0 < value < 1e-3:
+                news = ["0.0"]
+        for new in news:
+            old = tok.string + (" " if tok.string == "not" else "")
+            out.append(Mutant("", module, row, old, new, col))
+    # numbered in source order, so ids are stable while the module is unchanged
+    return [Mutant(f"{module}:{i}", m.module, m.line, m.old, m.new, m.col) for i, m in enumerate(out, 1)]
+
+
+def planted_mutants() -> list[Mutant]:
+    out = []
+    for pid, module, old, new, note in PLANTED:
+        text = (ROOT / TARGETS[module].path).read_text()
+        at = text.find(old)
+        if at < 0 or text.count(old) != 1:
+            raise SystemExit(f"planted mutant {pid}: the text to replace occurs {text.count(old)} times in "
+                             f"{TARGETS[module].path} (update PLANTED)")
+        out.append(Mutant(f"planted:{pid}", module, text[:at].count("\n") + 1, old, new, note=note))
+    return out
+
+
+def apply(source: str, m: Mutant) -> str:
+    lines = source.splitlines(keepends=True)
+    if m.id.startswith("planted:"):
+        return source.replace(m.old, m.new, 1)
+    line = lines[m.line - 1]
+    at = line.find(m.old, m.col)
+    assert at == m.col, (m, line)
+    lines[m.line - 1] = line[:at] + m.new + line[at + len(m.old):]
+    return "".join(lines)
+
+
+def equivalence_key(m: Mutant, source: str) -> str:
+    line = source.splitlines()[m.line - 1].strip()
+    return f"{m.module}:{line}:{m.old.strip()}->{m.new}"
+
+
+# ----------------------------------------------------------------------------- running
+
+
+@dataclass
+class Result:
+    id: str
+    module: str
+    line: int
+    mutation: str
+    status: str  # killed | survived | timeout | invalid | equivalent
+    seconds: float
+    killed_by: str = ""
+    source_line: str = ""
+    reason: str = ""
+
+
+def _copy_tree(workdir: Path) -> None:
+    if workdir.exists():
+        shutil.rmtree(workdir)
+    workdir.mkdir(parents=True)
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".hypothesis", ".pytest_cache")
+    shutil.copytree(ROOT / "hf_tokred", workdir / "hf_tokred", ignore=ignore)
+    shutil.copytree(ROOT / "tests", workdir / "tests", ignore=ignore)
+    shutil.copy(ROOT / "pyproject.toml", workdir / "pyproject.toml")
+
+
+def _env(workdir: Path, ext_dir: str) -> dict:
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONDONTWRITEBYTECODE": "1",
+            "TORCH_EXTENSIONS_DIR": str(workdir / ext_dir), "PYTHONPATH": str(workdir),
+            "HF_TOKRED_HYPOTHESIS_PROFILE": "ci"}
+
+
+def _preload() -> None:
+    """Import the heavy third-party modules once in this process; each test run is a fork of it (hf_tokred itself
+    is never imported here, so every child imports the copy, mutant included, and captures stock transformers)."""
+    sys.dont_write_bytecode = True
+    import hypothesis  # noqa: F401
+    import pytest  # noqa: F401
+    import torch
+    import transformers  # noqa: F401
+    from transformers import Mamba2ForCausalLM, MambaForCausalLM, PreTrainedTokenizerFast  # noqa: F401
+    from transformers.models.mamba import modeling_mamba  # noqa: F401
+    from transformers.models.mamba2 import modeling_mamba2  # noqa: F401
+
+    torch.set_num_threads(1)
+    assert "hf_tokred" not in sys.modules
+
+
+def run_tests(workdir: Path, tests, timeout: float, ext_dir: str = ".ext") -> tuple[str, float, str]:
+    """Run pytest on ``tests`` in a forked child (cwd ``workdir``); ``(killed|survived|timeout, seconds, failed)``."""
+    log = workdir / ".pytest.log"
+    args = ["-x", "-q", "-p", "no:cacheprovider", "--no-header", "-W", "ignore", *tests]
+    start = time.monotonic()
+    pid = os.fork()
+    if pid == 0:  # child
+        code = 3
+        try:
+            fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            os.dup2(fd, 1)
+            os.dup2(fd, 2)
+            os.nice(10)
+            os.chdir(workdir)
+            os.environ.update(_env(workdir, ext_dir))
+            sys.path.insert(0, str(workdir))
+            import pytest
+
+            code = int(pytest.main(args))
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    deadline = start + timeout
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            return "timeout", time.monotonic() - start, ""
+        time.sleep(0.2)
+    took = time.monotonic() - start
+    out = log.read_text(errors="replace")
+    if os.waitstatus_to_exitcode(status) == 0:
+        return "survived", took, ""
+    failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", out, re.M)
+    return "killed", took, failed[0] if failed else out[-300:].strip().replace("\n", " | ")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--modules", default=",".join(TARGETS), help="comma-separated: " + ",".join(TARGETS))
+    parser.add_argument("--only", default="", help="comma-separated mutant ids")
+    parser.add_argument("--no-planted", action="store_true", help="generated mutants only")
+    parser.add_argument("--list", action="store_true", help="list the mutants and exit")
+    parser.add_argument("--timeout", type=float, default=0, help="seconds per mutant (default: 4x the baseline)")
+    parser.add_argument("--workdir", default="/tmp/hf_tokred_mutants")
+    parser.add_argument("--json", default="", help="write the results to this file")
+    args = parser.parse_args()
+
+    modules = [m for m in args.modules.split(",") if m]
+    mutants = [] if args.no_planted else [m for m in planted_mutants() if m.module in modules]
+    for module in modules:
+        if module != "csrc":
+            mutants += generated_mutants(module, TARGETS[module])
+    if args.only:
+        wanted = set(args.only.split(","))
+        mutants = [m for m in mutants if m.id in wanted]
+    if args.list:
+        for m in mutants:
+            print(f"{m.id:40s} {TARGETS[m.module].path}:{m.line}  {m.describe()}")
+        print(f"{len(mutants)} mutants")
+        return 0
+
+    workdir = Path(args.workdir)
+    _copy_tree(workdir)
+    _preload()
+    check = subprocess.run([sys.executable, "-c", "import hf_tokred; print(hf_tokred.__file__)"], cwd=workdir,
+                           env=_env(workdir, ".ext"), capture_output=True, text=True)
+    assert check.stdout.strip().startswith(str(workdir)), f"the copy is not the package under test: {check.stdout}"
+
+    baseline = {}
+    results: list[Result] = []
+    for module in dict.fromkeys(m.module for m in mutants):
+        status, took, failed = run_tests(workdir, TARGETS[module].tests, timeout=3600)
+        if status != "survived":
+            raise SystemExit(f"baseline for {module} does not pass ({failed}); fix the tests first")
+        baseline[module] = took
+        print(f"baseline {module}: {took:.0f}s ({' '.join(TARGETS[module].tests)})", flush=True)
+
+    for i, m in enumerate(mutants, 1):
+        target = workdir / TARGETS[m.module].path
+        original = target.read_text()
+        source_line = original.splitlines()[m.line - 1].strip()
+        key = equivalence_key(m, original)
+        if key in EQUIVALENT:
+            results.append(Result(m.id, m.module, m.line, m.describe(), "equivalent", 0.0, source_line=source_line,
+                                  reason=EQUIVALENT[key]))
+            print(f"[{i}/{len(mutants)}] {m.id:36s} equivalent  {m.describe()}", flush=True)
+            continue
+        mutated = apply(original, m)
+        if m.module != "csrc":
+            try:
+                compile(mutated, str(target), "exec")
+            except SyntaxError:
+                continue
+        timeout = args.timeout or max(120.0, 4 * baseline[m.module])
+        try:
+            target.write_text(mutated)
+            ext = f".ext-{m.id.replace(':', '-')}" if m.module == "csrc" else ".ext"
+            status, took, killed_by = run_tests(workdir, TARGETS[m.module].tests, timeout + (300 if m.module == "csrc"
+                                                                                               else 0), ext)
+        finally:
+            target.write_text(original)
+            if m.module == "csrc":
+                shutil.rmtree(workdir / ext, ignore_errors=True)
+        results.append(Result(m.id, m.module, m.line, m.describe(), status, round(took, 1), killed_by, source_line))
+        print(f"[{i}/{len(mutants)}] {m.id:36s} {status:9s} {took:5.0f}s  {m.describe()}  "
+              f"[{source_line[:70]}]  {killed_by}", flush=True)
+
+    counted = [r for r in results if r.status != "equivalent"]
+    killed = [r for r in counted if r.status in ("killed", "timeout")]
+    print(f"\n{'module':12s} {'mutants':>8s} {'killed':>7s} {'survived':>9s} {'equivalent':>11s}  score")
+    for module in dict.fromkeys(r.module for r in results):
+        rs = [r for r in results if r.module == module]
+        c = [r for r in rs if r.status != "equivalent"]
+        k = [r for r in c if r.status in ("killed", "timeout")]
+        print(f"{module:12s} {len(rs):8d} {len(k):7d} {len(c) - len(k):9d} {len(rs) - len(c):11d}  "
+              f"{100 * len(k) / max(len(c), 1):.1f}%")
+    print(f"{'total':12s} {len(results):8d} {len(killed):7d} {len(counted) - len(killed):9d} "
+          f"{len(results) - len(counted):11d}  {100 * len(killed) / max(len(counted), 1):.1f}%")
+    survivors = [r for r in counted if r.status == "survived"]
+    if survivors:
+        print("\nsurvivors:")
+        for r in survivors:
+            print(f"  {r.id:36s} {TARGETS[r.module].path}:{r.line}  {r.mutation}  [{r.source_line}]")
+    if args.json:
+        Path(args.json).write_text(json.dumps([asdict(r) for r in results], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
