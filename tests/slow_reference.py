@@ -36,6 +36,20 @@ def intended_ratio(x: float) -> Fraction:
     return _intended(x)[0]
 
 
+def in_tolerance_band(x: float, max_n: int = 64) -> bool:
+    """True for a ratio that is neither a short decimal nor a simple fraction (e.g. 1e-9, 0.7000000001) when some
+    ``n x`` or ``n (1 - x)`` (``n <= max_n``) lies within 2e-9 of an integer without being one: there the plugin's
+    float tolerance and this module's exact arithmetic may round differently, which no one specifies.  Property
+    tests do not draw such ratios."""
+    if not _intended(x)[1]:
+        return False
+    for n in range(1, max_n + 1):
+        for v in (n * x, n * (1 - x)):
+            if 0 < abs(v - round(v)) < 2e-9:
+                return True
+    return False
+
+
 def documented_num_to_remove(n: int, keep_ratio: float, pairs: bool) -> int:
     """``n - ceil(n * keep_ratio)`` as the docstring states it, in exact arithmetic on the intended ratio (so
     100 x 0.55 keeps exactly 55 and 7 x 5/7 keeps 5, where float arithmetic gives 55.00000000000001 and

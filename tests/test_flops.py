@@ -1,15 +1,33 @@
-"""Tests for hf_tokred.flops: analytic counts vs torch's FlopCounterMode on tiny random models."""
+"""Tests for hf_tokred.flops: analytic counts vs the ops stock transformers' forward actually dispatches.
+
+Two independent counts of a tiny model's forward (transformers' own code: ``conftest.stock_transformers``):
+
+* ``FlopCounterMode`` for the matmul / conv kernels (torch's own formulas);
+* :class:`DispatchCount`, a dispatch mode that sees every aten op the forward runs, attributes it to a component
+  (norm, projection, conv, scan, LM head, block residual) and counts element-wise arithmetic by the module's
+  convention: ``add/sub/mul/div/pow`` one FLOP per output element, ``sum/mean/cumsum`` one per input element, a
+  conv / linear bias one per output element; transcendentals, masking and copies none.
+
+Every field of the analytic breakdown must equal the dispatched count exactly (tolerance 0), up to two
+conventions of the analytic count, stated here by hand: the RMSNorm's ``+ eps`` (one add per token per norm) is
+not counted, and the Mamba-1 scan is counted as ``9 B L D N`` where the stock loop dispatches ``7 B L D N``
+(5 element-wise, 2 in the ``C . h`` matmul).
+"""
 
 from __future__ import annotations
 
 import copy
+import math
+from collections import Counter
 
 import pytest
 import torch
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode, flop_registry
 from transformers import Mamba2Config, Mamba2ForCausalLM, MambaConfig, MambaForCausalLM
+from transformers.models.mamba import modeling_mamba
+from transformers.models.mamba2 import modeling_mamba2
 
-from hf_tokred import fastpath  # the analytic count describes transformers' own ops
 from hf_tokred.flops import (
     FlopsBreakdown,
     flops_reduction,
@@ -18,8 +36,9 @@ from hf_tokred.flops import (
     proxy_flops_reduction,
 )
 
+from conftest import stock_transformers
+
 BATCH = 2
-REL_TOL = 0.01
 
 
 def _mamba1_config() -> MambaConfig:
@@ -55,10 +74,6 @@ def _model(kind: str) -> torch.nn.Module:
     return _MODELS[kind]
 
 
-def _rel_diff(analytic: int, counted: int) -> float:
-    return abs(analytic - counted) / counted
-
-
 # ----------------------------------------------------------------------------- 1. full forward
 
 
@@ -69,11 +84,11 @@ def _rel_diff(analytic: int, counted: int) -> float:
 def test_full_forward_matmul_matches_flop_counter(kind: str, seq_len: int) -> None:
     model = _model(kind)
     input_ids = torch.randint(0, model.config.vocab_size, (BATCH, seq_len))
-    with torch.no_grad(), fastpath.stock_kernels(), FlopCounterMode(display=False) as counter:
+    with torch.no_grad(), stock_transformers(), FlopCounterMode(display=False) as counter:
         model(input_ids, use_cache=False)
     counted = counter.get_total_flops()
     analytic = model_flops(model.config, [seq_len] * model.config.num_hidden_layers, batch=BATCH)
-    assert _rel_diff(analytic.matmul, counted) < REL_TOL, (analytic.matmul, counted)
+    assert analytic.matmul == counted
     assert analytic.total > analytic.matmul  # elementwise work exists but is invisible to the counter
     # The conv is a small share of the total, so check it on its own: HF's padded conv1d computes
     # L+K-1 positions.  Without the (elementwise) bias, `conv` is exactly the conv kernel's FLOPs.
@@ -89,7 +104,7 @@ def test_full_forward_matmul_matches_flop_counter(kind: str, seq_len: int) -> No
 def _count_reduced_forward(model: torch.nn.Module, lengths: list[int], head_positions: int) -> int:
     """Run each block on a prefix of the previous block's output, as a token-reduction schedule would."""
     input_ids = torch.randint(0, model.config.vocab_size, (BATCH, max(lengths)))
-    with torch.no_grad(), fastpath.stock_kernels(), FlopCounterMode(display=False) as counter:
+    with torch.no_grad(), stock_transformers(), FlopCounterMode(display=False) as counter:
         hidden = model.backbone.embeddings(input_ids)
         for block, length in zip(model.backbone.layers, lengths):
             hidden = block(hidden[:, :length])
@@ -111,7 +126,7 @@ def test_per_layer_lengths_match_flop_counter(kind: str, lengths: list[int], hea
     model = _model(kind)
     counted = _count_reduced_forward(model, lengths, head_positions)
     analytic = model_flops(model.config, lengths, batch=BATCH, lm_head_positions=head_positions)
-    assert _rel_diff(analytic.matmul, counted) < REL_TOL, (analytic.matmul, counted)
+    assert analytic.matmul == counted
     # The per-layer schedule really differs from a dense one at the first length.
     dense = model_flops(model.config, [lengths[0]] * len(lengths), batch=BATCH, lm_head_positions=head_positions)
     assert dense.matmul != analytic.matmul
@@ -212,3 +227,133 @@ def test_breakdown_matmul_and_total() -> None:
     assert b.total == 29
     assert b.matmul == 23
     assert (b + b).total == 58
+
+
+# ----------------------------------------------------------------------------- 5. every term, against the dispatched ops
+
+_EW_OUT = {"add", "add_", "sub", "sub_", "mul", "mul_", "div", "div_", "pow"}  # one FLOP per output element
+_EW_IN = {"sum", "mean", "cumsum"}  # one FLOP per input element
+
+
+class DispatchCount(TorchDispatchMode):
+    """Every aten op a forward dispatches, attributed to the innermost tagged region: FLOPs of matmul / conv kernels
+    (torch's formulas) and of element-wise arithmetic (see the module docstring), per region and kind."""
+
+    def __init__(self):
+        super().__init__()
+        self.region = ["block"]
+        self.flops = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        op, region = func._overloadpacket, self.region[-1]
+        name = op.__name__
+        if op in flop_registry:
+            self.flops[region, "mm"] += flop_registry[op](*args, **kwargs, out_val=out)
+            bias = args[0] if name == "addmm" else args[2] if name == "convolution" else None
+            if bias is not None:
+                self.flops[region, "bias"] += out.numel()
+        elif name in _EW_OUT:
+            # the Mamba-1 scan adds the dt_proj bias ([D] broadcast over [B, D, L]): the analytic count books it
+            # under the projections
+            is_dt_bias = region == "scan" and name == "add" and any(
+                isinstance(a, torch.Tensor) and a.dim() == 2 and a.shape[-1] == 1 for a in args)
+            kind = "dt_bias" if is_dt_bias else "bias" if region == "proj" else "ew"  # linear bias, unfused
+            self.flops[region, kind] += out.numel()
+        elif name in _EW_IN:
+            self.flops[region, "ew"] += args[0].numel()
+        return out
+
+    def tagged(self, fn, region):
+        def wrapper(*args, **kwargs):
+            self.region.append(region)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.region.pop()
+
+        return wrapper
+
+
+def _dispatched(model, lengths, head_positions):
+    """Run stock transformers' blocks on per-layer prefixes (as a reduction schedule would) and count."""
+    counter = DispatchCount()
+    hooks = []
+    for name, module in model.named_modules():
+        region = ("lm_head" if name == "lm_head" else "proj" if isinstance(module, torch.nn.Linear)
+                  else "norm" if "RMSNorm" in type(module).__name__ else "mixer" if name.endswith("mixer") else None)
+        if region is not None:
+            hooks.append(module.register_forward_pre_hook(lambda m, a, r=region: counter.region.append(r) and None))
+            hooks.append(module.register_forward_hook(lambda m, a, o: counter.region.pop() and None))
+    family = modeling_mamba if model.config.model_type == "mamba" else modeling_mamba2
+    scan_name = "mamba_selective_scan" if model.config.model_type == "mamba" else "mamba2_chunk_scan"
+    input_ids = torch.randint(0, model.config.vocab_size, (BATCH, max(lengths)))
+    try:
+        with torch.no_grad(), stock_transformers(), pytest.MonkeyPatch.context() as m:
+            m.setattr(family, "causal_conv1d_fn", counter.tagged(family.causal_conv1d_fn, "conv"))
+            m.setattr(family, scan_name, counter.tagged(getattr(family, scan_name), "scan"))
+            hidden = model.backbone.embeddings(input_ids)
+            with counter:
+                for block, length in zip(model.backbone.layers, lengths):
+                    hidden = block(hidden[:, :length])
+                hidden = model.backbone.norm_f(hidden)
+                model.lm_head(hidden[:, hidden.shape[1] - head_positions :])
+    finally:
+        for h in hooks:
+            h.remove()
+    return counter.flops
+
+
+def _config(kind, use_bias, use_conv_bias):
+    config = (_mamba1_config if kind == "mamba" else _mamba2_config)()
+    config.use_bias, config.use_conv_bias = use_bias, use_conv_bias
+    return config
+
+
+@pytest.mark.parametrize("kind, lengths, head_positions", [
+    ("mamba", [23, 23], 23), ("mamba", [21, 9], 9), ("mamba", [12, 4], 1),
+    ("mamba2", [23, 23], 23), ("mamba2", [37, 20], 20), ("mamba2", [32, 7], 1), ("mamba2", [16, 16], 16),
+])
+@pytest.mark.parametrize("use_bias, use_conv_bias", [(False, True), (True, False)], ids=["conv-bias", "linear-bias"])
+def test_every_term_equals_the_dispatched_ops(kind, lengths, head_positions, use_bias, use_conv_bias):
+    config = _config(kind, use_bias, use_conv_bias)
+    torch.manual_seed(0)
+    model = (MambaForCausalLM if kind == "mamba" else Mamba2ForCausalLM)(config).eval()
+    got = _dispatched(model, lengths, head_positions)
+    analytic = model_flops(config, lengths, batch=BATCH, lm_head_positions=head_positions)
+    norms = 2 * len(lengths) if kind == "mamba2" else len(lengths)  # per-block RMSNorms (+ Mamba-2's gated norm)
+    group_count = 1 if kind == "mamba" else config.n_groups
+    eps_adds = BATCH * (sum(lengths) * (1 + (group_count if kind == "mamba2" else 0)) + lengths[-1])
+    if kind == "mamba":
+        convention = sum(2 * BATCH * L * config.intermediate_size * config.state_size for L in lengths)
+    else:
+        convention = 0
+    assert norms > 0
+    assert analytic.lm_head == got["lm_head", "mm"] > 0
+    assert analytic.conv == got["conv", "mm"] + got["conv", "bias"]
+    assert (got["conv", "bias"] > 0) == use_conv_bias
+    assert analytic.norm == got["norm", "ew"] - eps_adds  # the + eps of every RMSNorm is not counted
+    assert analytic.projections == (got["proj", "mm"] + got["proj", "bias"] + got["mixer", "mm"] + got["scan", "dt_bias"]
+                                    + got["block", "ew"])  # linears, dt_proj (Mamba-1), biases, residual adds
+    assert (got["proj", "bias"] > 0) == use_bias and (got["scan", "dt_bias"] > 0) == (kind == "mamba")
+    assert analytic.scan == got["scan", "mm"] + got["scan", "ew"] + convention
+    assert got["mixer", "ew"] == got["mixer", "bias"] == got["block", "mm"] == got["scan", "bias"] == got["proj", "ew"] == 0
+    counted_ew = (got["conv", "bias"] + got["norm", "ew"] - eps_adds + got["proj", "bias"] + got["scan", "dt_bias"]
+                  + got["block", "ew"] + got["scan", "ew"] + convention)
+    assert analytic.elementwise == counted_ew
+    assert analytic.matmul == got["lm_head", "mm"] + got["conv", "mm"] + got["proj", "mm"] + got["mixer", "mm"] + got[
+        "scan", "mm"]
+    assert analytic.total == sum(got.values()) - eps_adds + convention
+
+
+def test_mamba1_scan_convention_is_what_the_docstring_enumerates_plus_two():
+    """The Mamba-1 scan's ``9 B L D N`` (flops module docstring) against the ops it enumerates: dt*A, dt*B, dt*B*u,
+    h = dA*h + dBu (2) and C.h (2) make 7 per (b, l, d, n), the number the stock loop dispatches."""
+    config = _mamba1_config()
+    model = MambaForCausalLM(config).eval()
+    got = _dispatched(model, [10, 10], 10)
+    B, L, D, N = BATCH, 10, config.intermediate_size, config.state_size
+    per_scan = got["scan", "mm"] + got["scan", "ew"]
+    assert per_scan == 2 * (7 * B * L * D * N + 3 * B * L * D)  # 2 layers: + D skip (2 BLD), gate (BLD)
+    assert layer_flops(config, L, B).scan == 9 * B * L * D * N + 3 * B * L * D

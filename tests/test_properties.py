@@ -1,20 +1,30 @@
 """Property-based tests (hypothesis): random configs x random shapes x random padding.
 
-Reproducible in CI: every test is ``derandomize=True`` (examples are derived from the test itself, not from a
-random seed) and all tensors come from seeded ``torch.Generator``s whose seeds hypothesis draws.  Run with
-``--hypothesis-show-statistics`` to see how many examples each test ran (and the ``event`` breakdown).
+Reproducible in CI: the ``ci`` hypothesis profile (``conftest.py``) is ``derandomize=True`` (examples are derived
+from the test itself, not from a random seed) and all tensors come from seeded ``torch.Generator``s whose seeds
+hypothesis draws.  Fresh random examples, ten times as many::
 
-Oracles: ``hf_tokred.reduce.num_to_remove`` (the documented schedule, named by the issue) limited by the tokens a
-selection may not take (``robust_helpers.expected_removed``), the slow per-row reference, the row run alone,
-stock transformers, exact integer arithmetic, and JSON / save_pretrained round trips.
+    HF_TOKRED_HYPOTHESIS_PROFILE=explore .venv/bin/python -m pytest -q tests/test_properties.py \
+        --hypothesis-show-statistics
+
+Coverage is by construction, not by luck: the method / selection is a test parameter (every one runs), ratios
+and ``q`` are drawn from the open interval *and* from the rounding boundaries (``keep * n`` within 1e-12 of an
+integer, ``q`` with ``r (1 - q)`` an integer in exact arithmetic), and one strategy makes every row of a batch
+remove tokens.  ``event``s report what was drawn (``--hypothesis-show-statistics``).
+
+Oracles: the documented schedule in exact arithmetic (``slow_reference.documented_num_to_remove``) limited by the
+tokens a selection may not take (``robust_helpers.expected_removed``), the slow per-row reference with merge
+counts in exact arithmetic, the row run alone, stock transformers, and JSON / save_pretrained round trips.
 """
 
 import functools
 import json
+import math
 import tempfile
 
+import pytest
 import torch
-from hypothesis import HealthCheck, event, given, note, settings
+from hypothesis import event, given, note
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
@@ -23,10 +33,12 @@ from hf_tokred import METHODS, METRICS, STRATEGIES, TokenReductionConfig
 from hf_tokred.config import proxy_flops_reduction
 from hf_tokred.reduce import apply_plan, make_plan, num_to_remove
 
-from conftest import stock_forward, tiny_model
+from conftest import examples, stock_forward, tiny_model
 from robust_helpers import (
     ATOL,
+    METHOD_SELECTION,
     assert_close_where_computed,
+    documented_num_to_remove,
     expected_removed,
     kept_positions,
     pad_rows,
@@ -34,14 +46,10 @@ from robust_helpers import (
     row_local_plans,
     slow_forward_any_dtype,
 )
-from slow_reference import slow_apply, slow_weights
+from slow_reference import documented_merge_count, in_tolerance_band, intended_ratio, slow_apply, slow_weights
 
 LAYERS = 4
-
-
-def fast(n):
-    return settings(max_examples=n, deadline=None, derandomize=True, database=None,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+fast = examples  # max_examples for the ci profile, scaled (and re-seeded) by the explore profile
 
 
 @functools.lru_cache(maxsize=None)
@@ -53,9 +61,46 @@ def model_for(family):
 
 
 @st.composite
-def configs(draw, layers=LAYERS, max_keep=1.0):
-    """Any valid TokenReductionConfig, over every field; with ``layers`` it also fits a model of that depth."""
-    method = draw(st.sampled_from(sorted(METHODS)))
+def boundary_ratio(draw, low=0.0, high=1.0):
+    """A ratio in (low, high] on a rounding boundary: ``k / m`` as a float, or a short decimal, so ``n * ratio`` is
+    an integer in exact arithmetic for every multiple ``n`` of ``m`` (and float arithmetic may miss it by 1 ulp)."""
+    m = draw(st.integers(1, 40))
+    k = draw(st.integers(max(1, math.floor(low * m) + 1), m).filter(lambda k: k / m <= high))
+    if draw(st.booleans()):
+        return k / m
+    digits = draw(st.integers(1, 4))
+    value = round(draw(st.floats(low, high, exclude_min=True)), digits)
+    return value if low < value <= high else k / m
+
+
+def _float_ratios(low, high, **kw):
+    """Floats in the interval, except the few within 2e-9 of a rounding boundary that are neither short decimals
+    nor simple fractions (``slow_reference.in_tolerance_band``: e.g. 1e-9, where no rounding is specified)."""
+    return st.floats(low, high, **kw).filter(lambda x: not in_tolerance_band(x))
+
+
+def ratios(low=0.0, high=1.0):
+    """Keep ratios in (low, high]: anywhere, or on a rounding boundary."""
+    return st.one_of(_float_ratios(low, high, exclude_min=True), boundary_ratio(low, high))
+
+
+#: q values where float arithmetic gets floor(r (1 - q)) wrong for some r <= 24 (0.8: r = 5, 10, ...; 5/6: r = 6,
+#: 12, ...; 0.9: r = 10, 20; 5/12: r = 12, 24; 9/11: r = 11, 22): the merge count's rounding guard matters.
+GUARD_Q = [0.8, 5 / 6, 0.9, 5 / 12, 9 / 11]
+
+
+def q_values():
+    """q in the open interval (0, 1), on a boundary (0.8: 5 sources merge exactly one), or at its ends."""
+    return st.one_of(_float_ratios(0.0, 1.0, exclude_min=True, exclude_max=True),
+                     boundary_ratio(0.0, 1.0).filter(lambda q: q < 1.0),
+                     st.sampled_from(GUARD_Q), st.sampled_from([0.0, 1.0]))
+
+
+@st.composite
+def configs(draw, layers=LAYERS, max_keep=1.0, method=None):
+    """Any valid TokenReductionConfig, over every field; with ``layers`` it also fits a model of that depth
+    (anchors before its last block)."""
+    method = method or draw(st.sampled_from(sorted(METHODS)))
     spec = METHODS[method]
     min_keep = 0.5 if spec.pairs else 0.0
     if spec.selection == "importance":  # EViT can only prune
@@ -68,7 +113,7 @@ def configs(draw, layers=LAYERS, max_keep=1.0):
         anchors = draw(st.one_of(st.none(), st.lists(st.integers(0, 10**6), min_size=1, max_size=8, unique=True)
                                  .map(sorted).map(tuple)))
     else:
-        anchors = draw(st.one_of(st.none(), st.lists(st.integers(0, layers - 1), min_size=1, max_size=layers,
+        anchors = draw(st.one_of(st.none(), st.lists(st.integers(0, layers - 2), min_size=1, max_size=layers - 1,
                                                      unique=True).map(sorted).map(tuple)))
     if draw(st.booleans()):
         keep = draw(st.floats(min_value=max(min_keep, 0.05 if layers else 0.0), max_value=max_keep,
@@ -82,7 +127,7 @@ def configs(draw, layers=LAYERS, max_keep=1.0):
         kw = dict(flops_reduction=draw(st.floats(min_value=0.0 if max_keep == 1.0 else 0.05, max_value=top)))
     return TokenReductionConfig(
         method=method, anchors=anchors, metric=draw(st.sampled_from(sorted(METRICS))),
-        q=draw(st.floats(min_value=0.0, max_value=1.0)), hidden_strategy=hidden, residual_strategy=residual, **kw,
+        q=draw(q_values()), hidden_strategy=hidden, residual_strategy=residual, **kw,
     )
 
 
@@ -128,7 +173,25 @@ def test_num_to_remove_exact_for_decimal_ratios(n, k, pairs):
     expect = n - (-(-n * k // 10_000))
     if pairs:
         expect = min(expect, n // 2)
-    assert int(num_to_remove(torch.tensor([n]), keep, pairs)[0]) == expect
+    assert int(num_to_remove(torch.tensor([n]), keep, pairs)[0]) == expect == documented_num_to_remove(n, keep, pairs)
+
+
+@fast(300)
+@given(m=st.integers(1, 60), k=st.integers(1, 60), multiple=st.integers(1, 60), offset=st.sampled_from([0, 0, 1, -1]),
+       as_fraction=st.booleans(), pairs=st.booleans())
+def test_num_to_remove_on_rounding_boundaries(m, k, multiple, offset, as_fraction, pairs):
+    """keep = k / m (as the float k / m, or as the decimal rounded to 4 places) on rows of n = multiple * m (+-1):
+    n * keep is an integer, or within 1e-12 of one, where float arithmetic may land on either side; the removal is
+    exactly the documented count in exact arithmetic."""
+    keep = k / m if as_fraction else round(k / m, 4)
+    if not 0 < keep <= 1:
+        return
+    n = max(multiple * m + offset, 1)
+    product = n * keep
+    near = abs(product - round(product)) < 1e-12 * max(1.0, product)
+    event(f"n*keep within 1e-12 of an integer: {near}; float product above the exact one: "
+          f"{product > n * intended_ratio(keep)}")
+    assert int(num_to_remove(torch.tensor([n]), keep, pairs)[0]) == documented_num_to_remove(n, keep, pairs)
 
 
 @fast(200)
@@ -143,6 +206,7 @@ def test_num_to_remove_bounds_and_monotonicity(n, keep, pairs):
         assert r[0] == min(int(num_to_remove(torch.tensor([n]), keep, False)[0]), n // 2)
     else:
         assert n * keep - 1e-6 <= kept < n * keep + 1  # ceil semantics
+    assert r[0] == documented_num_to_remove(n, keep, pairs)
 
 
 @fast(100)
@@ -156,21 +220,34 @@ def test_tiny_keep_ratio_never_empties_a_row(n, keep):
 # ============================================================================ 6. make_plan / apply_plan directly
 
 
+SELECTIONS = ["importance_similarity", "bipartite", "reference", "importance"]
+
+
 @st.composite
-def plan_cases(draw):
+def plan_cases(draw, selection):
+    """A batch for one selection rule; with ``every_row`` (half of the cases) every row is long enough to lose
+    tokens and only its last token is protected, so every row of the batch removes."""
     B = draw(st.integers(1, 5))
-    N = draw(st.integers(1, 24))
-    selection = draw(st.sampled_from(["importance_similarity", "bipartite", "reference", "importance"]))
+    N = draw(st.integers(2, 24))
     pairs = selection != "importance"
+    keep = draw(ratios(0.5 if pairs else 0.01, 1.0).filter(lambda k: k >= (0.5 if pairs else 0.01)))
+    every_row = draw(st.booleans())
+    if every_row:
+        keep = min(keep, 0.9)
+        n_min = next((n for n in range(2, N + 1) if documented_num_to_remove(n, keep, pairs) > 0), None)
+        if n_min is None:  # no row this short can lose a token at this ratio
+            N, n_min = 24, next(n for n in range(2, 25) if documented_num_to_remove(n, keep, pairs) > 0)
+        lengths = draw(st.lists(st.integers(n_min, N), min_size=B, max_size=B))
+    else:
+        lengths = draw(st.lists(st.integers(0, N), min_size=B, max_size=B))
     return dict(
-        B=B, N=N, D=draw(st.integers(1, 8)), selection=selection, pairs=pairs,
+        B=B, N=N, D=draw(st.integers(1, 8)), selection=selection, pairs=pairs, every_row=every_row,
         layout=draw(st.sampled_from(["left", "right", "holes", "full"])),
-        lengths=draw(st.lists(st.integers(0, N), min_size=B, max_size=B)),
-        keep=draw(st.floats(min_value=0.5 if pairs else 0.01, max_value=1.0)),
+        lengths=lengths, keep=keep,
         metric=draw(st.sampled_from(sorted(METRICS))),
         values=draw(st.sampled_from(["normal", "ties"])),
-        protect=draw(st.sampled_from([0.0, 0.2, 0.6, 1.0])),
-        q=draw(st.sampled_from([0.0, 0.25, 0.5, 1.0])),
+        protect="last" if every_row else draw(st.sampled_from([0.0, 0.2, 0.6, 1.0])),
+        q=draw(q_values()),
         seed=draw(st.integers(0, 2**31 - 1)),
     )
 
@@ -191,13 +268,19 @@ def build_plan_inputs(c):
         h = torch.randn(B, N, D, generator=g)
     else:  # few distinct rows -> exact ties in importance and similarity
         h = torch.tensor([-1.0, 0.0, 1.0])[torch.randint(0, 3, (B, N, D), generator=g)]
-    protected = mask & (torch.rand(B, N, generator=g) < c["protect"])
+    if c["protect"] == "last":  # each row's last real token, as the model protects it
+        last = torch.where(mask, torch.arange(N), -1).max(1).values
+        protected = mask & (torch.arange(N)[None, :] == last[:, None])
+    else:
+        protected = mask & (torch.rand(B, N, generator=g) < c["protect"])
     return h, mask, protected, g
 
 
-@fast(200)
-@given(c=plan_cases())
-def test_make_plan_invariants(c):
+@pytest.mark.parametrize("selection", SELECTIONS)
+@fast(80)
+@given(data=st.data())
+def test_make_plan_invariants(selection, data):
+    c = data.draw(plan_cases(selection))
     h, mask, protected, g = build_plan_inputs(c)
     sel, pairs, keep = c["selection"], c["pairs"], c["keep"]
     plan = make_plan(h, mask, protected, keep, sel, c["metric"], pairs)
@@ -237,7 +320,12 @@ def test_make_plan_invariants(c):
             oka = alone.src_mask[0]
             assert pairs_here == list(zip(alone.src[0][oka].tolist(), alone.dst[0][oka].tolist()))
     assert M == max(kept_counts)
-    event(f"selection={sel}")
+    removed = [int(plan.src_mask[b].sum()) for b in range(c["B"])]
+    if c["every_row"]:
+        assert all(r > 0 for r in removed), removed  # the strategy promised it: every row loses tokens
+    event(f"rows removing tokens: {'all' if all(removed) else 'some'}")
+    boundary = any(documented_merge_count(r, c["q"]) != math.floor(r * (1 - c["q"])) for r in removed)
+    event(f"q on a rounding boundary for a row: {boundary}")
 
     # apply_plan against the slow per-row reference, and merge weights summing to one
     strategies = ["prune", "merge", "hybrid", "hybrid_channel"] if pairs else ["prune"]
@@ -265,21 +353,25 @@ def test_make_plan_invariants(c):
 
 
 @st.composite
-def model_cases(draw):
+def model_cases(draw, method):
     B = draw(st.integers(1, 4))
+    every_row = draw(st.booleans())  # every row long enough that the first anchor removes from it
     return dict(
         family=draw(st.sampled_from(["mamba", "mamba2"])),
-        cfg=draw(configs(max_keep=0.9)),
-        lengths=draw(st.lists(st.one_of(st.integers(9, 16), st.integers(1, 16)), min_size=B, max_size=B)),
+        cfg=draw(configs(max_keep=0.9, method=method)),
+        lengths=draw(st.lists(st.integers(9, 16) if every_row else st.one_of(st.integers(9, 16), st.integers(1, 16)),
+                              min_size=B, max_size=B)),
         side=draw(st.sampled_from(["left", "right"])),
-        protect=draw(st.sampled_from([0.0, 0.0, 0.3])),
+        protect=0.0 if every_row else draw(st.sampled_from([0.0, 0.0, 0.3])),
         seed=draw(st.integers(0, 2**31 - 1)),
     )
 
 
-@fast(50)
-@given(c=model_cases())
-def test_model_forward_properties(c):
+@pytest.mark.parametrize("method", sorted(METHODS))
+@fast(15)
+@given(data=st.data())
+def test_model_forward_properties(method, data):
+    c = data.draw(model_cases(method))
     model, cfg = model_for(c["family"]), c["cfg"]
     hf_tokred.apply_token_reduction(model, cfg)
     sched = cfg.resolve(LAYERS)
@@ -310,6 +402,10 @@ def test_model_forward_properties(c):
             positions = positions.gather(1, plan.keep).masked_fill(~plan.keep_mask, -1)
             live = [[p for p in positions[b].tolist() if p >= 0] for b in range(len(rows))]
     event(f"plans={len(out.plans)}")
+    if out.plans:
+        first = out.plans[0][1]
+        event(f"rows removing at the first anchor: {'all' if bool((first.num_removed > 0).all()) else 'some'}")
+    event(f"q={'0.5' if cfg.q == 0.5 else 'other'}, hidden={cfg.hidden}")
     for b, row in enumerate(rows):
         kept = kept_positions(out, b)
         if out.plans:
@@ -332,10 +428,12 @@ def test_model_forward_properties(c):
             assert torch.allclose(alone.logits[0], stock, atol=ATOL, rtol=0)
 
 
-@fast(8)
-@given(family=st.sampled_from(["mamba", "mamba2"]), cfg=configs(),
+@pytest.mark.parametrize("method", sorted(METHODS))
+@fast(5)
+@given(data=st.data(), family=st.sampled_from(["mamba", "mamba2"]),
        lengths=st.lists(st.integers(1, 12), min_size=2, max_size=3), seed=st.integers(0, 2**31 - 1))
-def test_generation_batch_invariance_property(family, cfg, lengths, seed):
+def test_generation_batch_invariance_property(method, data, family, lengths, seed):
+    cfg = data.draw(configs(method=method))
     model = model_for(family)
     hf_tokred.apply_token_reduction(model, cfg)
     model.generation_config.eos_token_id = None
