@@ -10,11 +10,13 @@ Importing the package installs the hooks that make ``token_reduction=`` work on 
 from .models import load_bundled, load_model
 from .config import METHODS, METRICS, STRATEGIES, ResolvedSchedule, TokenReductionConfig, default_anchors
 from .patch import (
+    ReductionRecord,
     TokenReductionCausalLMOutput,
     TokenReductionModelOutput,
     apply_token_reduction,
     get_token_reduction,
     install,
+    record_reduction,
 )
 
 __version__ = "0.1.0"
@@ -25,6 +27,7 @@ __all__ = [
     "METHODS",
     "METRICS",
     "STRATEGIES",
+    "ReductionRecord",
     "ResolvedSchedule",
     "TokenReductionCausalLMOutput",
     "TokenReductionConfig",
@@ -36,4 +39,5 @@ __all__ = [
     "install",
     "load_bundled",
     "load_model",
+    "record_reduction",
 ]

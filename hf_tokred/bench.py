@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from .models import check_model_spec
+
 __all__ = ["BenchSetting", "add_parser", "run_bench"]
 
 
@@ -297,6 +299,10 @@ def _cmd(args: argparse.Namespace) -> int:
         raise UsageError("--repeats and --batch must be >= 1 and --length >= 2")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise UsageError("--device cuda requested but torch sees no CUDA device")
+    try:
+        check_model_spec(args.model)
+    except ValueError as err:
+        raise UsageError(f"--model {args.model}: {err}") from None
     result = run_bench(args.model, args.batch, args.length, flops, args.method, args.repeats, args.warmup,
                        args.decode_tokens, args.threads, args.compare_stock, args.memory, args.device, args.dtype,
                        memory_logits=args.memory_logits)

@@ -8,8 +8,14 @@ turns it into the concrete schedule that will run: anchor layers and a per-ancho
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Mapping, Sequence
+
+try:  # numpy's bool is not a Python bool but must not pass as a number
+    from numpy import bool_ as np_bool
+except ImportError:  # pragma: no cover - numpy comes with torch
+    np_bool = bool
 
 __all__ = [
     "METHODS",
@@ -159,7 +165,8 @@ def _check_depth(num_hidden_layers: Any) -> None:
 
 
 def _real(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    """A real setting (Python or numpy number, not bool) as a float."""
+    if isinstance(value, (bool, np_bool)) or not isinstance(value, numbers.Real):
         raise TypeError(f"TokenReductionConfig.{name} must be a number, got {type(value).__name__} {value!r}")
     value = float(value)
     if not math.isfinite(value):
@@ -242,12 +249,15 @@ class TokenReductionConfig:
 
     @staticmethod
     def _check_anchors(anchors: Any) -> tuple[int, ...]:
+        if hasattr(anchors, "tolist") and not isinstance(anchors, (str, bytes)):  # numpy array / torch tensor
+            anchors = anchors.tolist()
         if isinstance(anchors, (str, bytes)) or not isinstance(anchors, Sequence):
             raise TypeError(f"TokenReductionConfig.anchors must be a list of ints, got {anchors!r}")
         out = []
         for a in anchors:
-            if isinstance(a, bool) or not isinstance(a, int):
+            if isinstance(a, (bool, np_bool)) or not isinstance(a, numbers.Integral):
                 raise TypeError(f"TokenReductionConfig.anchors must be a list of ints, got element {a!r}")
+            a = int(a)
             if a < 0:
                 raise ValueError(f"TokenReductionConfig.anchors must be non-negative layer indices, got {a}")
             out.append(a)
@@ -294,7 +304,13 @@ class TokenReductionConfig:
         if anchors[-1] >= num_hidden_layers:
             raise ValueError(
                 f"TokenReductionConfig.anchors {list(anchors)} reach outside a {num_hidden_layers}-layer model; "
-                f"anchors must be in [0, {num_hidden_layers - 1}]"
+                f"anchors must be in [0, {num_hidden_layers - 2}]"
+            )
+        if anchors[-1] == num_hidden_layers - 1:
+            raise ValueError(
+                f"TokenReductionConfig.anchors {list(anchors)}: anchor {anchors[-1]} is the last block of a "
+                f"{num_hidden_layers}-layer model, so no block runs on the reduced sequence and it saves nothing; "
+                f"anchors must be in [0, {num_hidden_layers - 2}]"
             )
         if self.keep_ratio is not None:
             keep = self.keep_ratio

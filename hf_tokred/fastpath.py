@@ -4,15 +4,17 @@ transformers' fallback for the Mamba-1 selective scan steps through time in Pyth
 module-level ``mamba_selective_scan`` (looked up as a global at call time by ``MambaMixer.forward``)
 to a dispatcher:
 
-* CPU tensors: the compiled scan of :mod:`hf_tokred.cpu_kernel` when it can be built and no gradient is
-  needed, else :func:`hf_tokred.scan.selective_scan` (chunked torch; both equal the stock loop in fp32 —
-  in bf16/fp16 it accumulates in fp32, so it is more accurate than the stock loop and differs slightly);
+* CPU tensors: the compiled scan of :mod:`hf_tokred.cpu_kernel` when it can be built, else
+  :func:`hf_tokred.scan.selective_scan` (chunked torch; both equal the stock loop in fp32 — in bf16/fp16 they
+  accumulate in fp32, so they are more accurate than the stock loop and differ slightly).  When a gradient is
+  needed, the compiled forward is wrapped so that ``backward()`` re-runs the torch scan on the saved inputs and
+  differentiates it (a plain ``model(ids)`` is as fast as one under ``torch.no_grad()``);
 * CUDA tensors with ``mamba_ssm`` installed: transformers' own choice (mamba-ssm's CUDA kernel);
 * CUDA tensors without it: our Triton scan (:func:`hf_tokred.kernels.selective_scan_varlen`), never the
   Python loop.
 
-The Mamba-1 depthwise convolution (``causal_conv1d_fn``) is rebound the same way: on CPU without gradients
-the fused compiled convolution + silu of :mod:`hf_tokred.cpu_kernel`, else transformers' own.
+The Mamba-1 depthwise convolution (``causal_conv1d_fn``) is rebound the same way: on CPU the fused compiled
+convolution + silu of :mod:`hf_tokred.cpu_kernel` (backward through transformers' own), else transformers' own.
 
 Dense and reduced runs use the same path; the path taken is logged once (logger ``hf_tokred``).
 Mamba-2 keeps transformers' chunked SSD code (mamba-ssm's Triton kernels when installed).
@@ -62,16 +64,59 @@ def _triton_scan(hidden_states, dt, A, B, C, D=None, z=None, delta_bias=None, de
     return (y, state) if return_last_state else y
 
 
+class _CompiledForward(torch.autograd.Function):
+    """Forward with a compiled CPU kernel; backward through the equal torch implementation, recomputed.
+
+    A plain ``model(ids)`` (parameters that require grad, no ``torch.no_grad()``) gets the compiled kernel's speed;
+    if ``backward()`` is called, the torch implementation is re-run on the saved inputs and differentiated.
+    """
+
+    @staticmethod
+    def forward(ctx, fast, slow, names, static, *tensors):
+        ctx.slow, ctx.names, ctx.static = slow, names, static
+        ctx.save_for_backward(*tensors)
+        with torch.no_grad():
+            out = fast(**dict(zip(names, tensors)), **static)
+        return out if isinstance(out, tuple) else (out,)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        inputs = [t.detach().requires_grad_(t.requires_grad) if t is not None else None for t in ctx.saved_tensors]
+        with torch.enable_grad():
+            out = ctx.slow(**dict(zip(ctx.names, inputs)), **ctx.static)
+        outs = out if isinstance(out, tuple) else (out,)
+        pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
+        wanted = [t for t in inputs if t is not None and t.requires_grad]
+        got = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True)
+                   if pairs and wanted else [None] * len(wanted))
+        return (None, None, None, None, *(next(got) if t is not None and t.requires_grad else None for t in inputs))
+
+
+def _call_compiled(fast, slow, tensor_args: dict, static: dict):
+    """``fast(**tensor_args, **static)``; when a gradient is needed, through :class:`_CompiledForward`."""
+    needs_grad = torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in tensor_args.values())
+    if not needs_grad:
+        return fast(**tensor_args, **static)
+    names = tuple(tensor_args)
+    out = _CompiledForward.apply(fast, slow, names, static, *tensor_args.values())
+    return out if len(out) > 1 else out[0]
+
+
+_SCAN_TENSORS = ("hidden_states", "dt", "A", "B", "C", "D", "z", "delta_bias")
+
+
 def mamba_selective_scan(hidden_states, *args, **kwargs):
     """Dispatch transformers' Mamba-1 scan by device (see the module docstring)."""
     if hidden_states.device.type == "cpu":
-        needs_grad = torch.is_grad_enabled() and (hidden_states.requires_grad or any(
-            isinstance(a, torch.Tensor) and a.requires_grad for a in (*args, *kwargs.values())))
-        A = args[1] if len(args) > 1 else kwargs.get("A")
-        if not needs_grad and A is not None and A.shape[-1] <= cpu_kernel.MAX_STATE and cpu_kernel.available():
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("use_mambapy", "use_associative_scan")}
+        call = dict(zip(_SCAN_TENSORS, (hidden_states, *args)), **kwargs)
+        A = call.get("A")
+        if A is not None and A.shape[-1] <= cpu_kernel.MAX_STATE and cpu_kernel.available():
             _log_once("hf_tokred compiled (CPU)")
-            kwargs = {k: v for k, v in kwargs.items() if k not in ("use_mambapy", "use_associative_scan")}
-            return cpu_kernel.selective_scan_cpu(hidden_states, *args, **kwargs)
+            tensors = {k: call.get(k) for k in _SCAN_TENSORS}
+            static = {k: v for k, v in call.items() if k not in _SCAN_TENSORS}
+            return _call_compiled(cpu_kernel.selective_scan_cpu, selective_scan, tensors, static)
         _log_once("hf_tokred chunked torch (CPU)")
         return selective_scan(hidden_states, *args, **kwargs)
     if hidden_states.device.type == "cuda" and not _mamba_ssm_installed():
@@ -83,17 +128,32 @@ def mamba_selective_scan(hidden_states, *args, **kwargs):
 
 def causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, **kwargs):
     """transformers' Mamba-1 convolution: fused compiled kernel on CPU (no gradient, no extra options), else stock."""
+    stock = _STOCK["causal_conv1d_fn"]
     if (hidden_states.device.type == "cpu" and activation in (None, "silu", "swish")
-            and not any(v is not None for v in kwargs.values())
-            and not (torch.is_grad_enabled() and (hidden_states.requires_grad or weight.requires_grad))
-            and cpu_kernel.available()):
-        return cpu_kernel.causal_conv1d_cpu(hidden_states, weight, bias, activation)
-    return _STOCK["causal_conv1d_fn"](hidden_states, weight, bias, activation=activation, **kwargs)
+            and not any(v is not None for v in kwargs.values()) and cpu_kernel.available()):
+        return _call_compiled(cpu_kernel.causal_conv1d_cpu, stock,
+                              {"hidden_states": hidden_states, "weight": weight, "bias": bias},
+                              {"activation": activation})
+    return stock(hidden_states, weight, bias, activation=activation, **kwargs)
+
+
+class _NoCudaAdviceOnCpu(logging.Filter):
+    """Drop transformers' "falling back ... install mamba_ssm / causal_conv1d" warnings on machines without CUDA:
+    those packages cannot run there, and hf_tokred's compiled kernels already replace the slow Mamba-1 paths."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "is falling back to its reference PyTorch implementation" not in record.getMessage() \
+            or torch.cuda.is_available()
+
+
+_FILTER = _NoCudaAdviceOnCpu()
+_HUB_KERNELS_LOGGER = "transformers.integrations.hub_kernels"
 
 
 def install() -> None:
     modeling_mamba.mamba_selective_scan = mamba_selective_scan
     modeling_mamba.causal_conv1d_fn = causal_conv1d_fn
+    logging.getLogger(_HUB_KERNELS_LOGGER).addFilter(_FILTER)
 
 
 @contextlib.contextmanager

@@ -327,7 +327,22 @@ def load_eval_results(eval_results: Any) -> dict[str, Any]:
     return eval_results
 
 
-def _check_eval_matches(result: dict, cfg: TokenReductionConfig, config: Any) -> None:
+def _check_eval_matches(result: dict, cfg: TokenReductionConfig, config: Any, name: str, model: Any = None) -> None:
+    """Refuse eval results measured on another model (weights fingerprint when the model is loaded, else the
+    model name) or with other settings."""
+    from .models import weights_fingerprint
+
+    measured = result.get("model")
+    saved_fp = result.get("model_fingerprint")
+    if model is not None and saved_fp is not None:
+        fp = weights_fingerprint(model)
+        if fp != saved_fp:
+            raise ValueError(f"the eval results were measured on another model ({measured!r}, weights fingerprint "
+                             f"{saved_fp}) than {name!r} (weights fingerprint {fp}); evaluate this model "
+                             f"(hf-tokred eval --model {name} ...) and pass those results")
+    elif measured is not None and str(measured) != str(name):
+        raise ValueError(f"the eval results were measured on {measured!r}, not on {name!r}; evaluate this model "
+                         f"(hf-tokred eval --model {name} ...) and pass those results")
     saved = result.get("token_reduction")
     if saved is None or TokenReductionConfig.coerce(saved) != cfg:
         raise ValueError(
@@ -558,7 +573,7 @@ def save_variant(
             tokenizer = _tokenizer_for(spec, base_revision)
         cfg = _coerce_settings(token_reduction, get_token_reduction(model))
         if result is not None:
-            _check_eval_matches(result, cfg, model.config)
+            _check_eval_matches(result, cfg, model.config, spec or type(model).__name__, model)
         base = spec or type(model).__name__
         lic = _base_license(base, base_revision, model.config)
         previous = get_token_reduction(model)
@@ -586,7 +601,7 @@ def save_variant(
         cfg = _coerce_settings(token_reduction, get_token_reduction(config))
         cfg.resolve(config.num_hidden_layers)  # raises if the schedule does not fit the base
         if result is not None:
-            _check_eval_matches(result, cfg, config)
+            _check_eval_matches(result, cfg, config, spec, model)
         if tokenizer is None:
             tokenizer = _tokenizer_for(base, base_revision)
         lic = _base_license(base, base_revision, config)

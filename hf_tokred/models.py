@@ -26,7 +26,8 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-__all__ = ["BUNDLED", "KEEP", "RANDOM_SHAPES", "bundled_path", "load_bundled", "load_model", "random_config"]
+__all__ = ["BUNDLED", "KEEP", "RANDOM_SHAPES", "bundled_path", "check_model_spec", "load_bundled", "load_model",
+           "random_config", "weights_fingerprint"]
 
 #: ``load_model(..., token_reduction=KEEP)``: keep the settings saved in the checkpoint (if any).
 KEEP: Any = object()
@@ -100,6 +101,33 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
     tok.decoder = decoders.ByteLevel()
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|endoftext|>",
                                    pad_token="<|padding|>", padding_side="left")
+
+
+def weights_fingerprint(model: torch.nn.Module, samples: int = 1024) -> str:
+    """A short identifier of a model's weights: sha256 over every parameter's name, shape and ``samples`` evenly
+    spaced values rounded to fp16 (so one checkpoint loaded in fp16 or fp32 gives the same fingerprint)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    with torch.no_grad():
+        for name, p in sorted(model.state_dict().items()):
+            flat = p.detach().reshape(-1)
+            step = max(1, flat.numel() // samples)
+            digest.update(f"{name}:{tuple(p.shape)}".encode())
+            digest.update(flat[::step][:samples].to("cpu", torch.float16).numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def check_model_spec(spec: str) -> None:
+    """Raise ``ValueError`` naming the known specs when ``spec`` is a ``bundled:`` / ``random:`` name we do not have
+    (anything else is a local folder or Hub id, checked when it is loaded)."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"a model spec must be a non-empty string, got {spec!r}")
+    if spec.startswith("bundled:") and spec.removeprefix("bundled:") not in BUNDLED:
+        raise ValueError(f"unknown bundled model {spec!r}; bundled models: "
+                         f"{', '.join('bundled:' + b for b in BUNDLED)}")
+    if spec.startswith("random:"):
+        random_config(spec.removeprefix("random:"))
 
 
 def load_model(spec: str, token_reduction: Any = KEEP, dtype: torch.dtype | None = None, seed: int = 0, **kwargs):

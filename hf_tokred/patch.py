@@ -14,10 +14,12 @@ The settings live in ``model.config.token_reduction`` as a plain dict, so ``save
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 import inspect
 import json
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,23 +27,32 @@ import torch
 import torch.nn.functional as F
 import transformers
 from packaging.version import Version
-from transformers import Mamba2ForCausalLM, Mamba2Model, MambaForCausalLM, MambaModel, PreTrainedModel
+from transformers import (
+    Mamba2ForCausalLM,
+    Mamba2Model,
+    MambaForCausalLM,
+    MambaModel,
+    PreTrainedConfig,
+    PreTrainedModel,
+)
 from transformers.cache_utils import DynamicCache
 from transformers.masking_utils import create_recurrent_attention_mask
 from transformers.models.auto.auto_factory import _BaseAutoModelClass
 from transformers.utils import ModelOutput
 
 from .config import ResolvedSchedule, TokenReductionConfig
-from .reduce import Plan, apply_plan_pair, make_plan, reduce_along
+from .reduce import Plan, apply_plan_pair, extend_plan, make_plan, reduce_along
 
 __all__ = [
     "SUPPORTED_TRANSFORMERS",
+    "ReductionRecord",
     "TokenReductionCausalLMOutput",
     "TokenReductionModelOutput",
     "apply_token_reduction",
     "check_transformers_version",
     "get_token_reduction",
     "install",
+    "record_reduction",
 ]
 
 SUPPORTED_TRANSFORMERS = (Version("5.24.0"), Version("5.25.0"))  # [low, high)
@@ -98,14 +109,33 @@ def apply_token_reduction(model: PreTrainedModel, token_reduction: TokenReductio
     """Turn token reduction on (validated against the model's depth), or off with ``None``. Returns ``model``."""
     config = model.config
     if token_reduction is None:
-        if "token_reduction" in config.__dict__:
-            del config.token_reduction
+        config.__dict__.pop("token_reduction", None)
         return model
     _family(model)
     cfg = TokenReductionConfig.coerce(token_reduction)
     cfg.resolve(config.num_hidden_layers)  # raises if the schedule does not fit this model
     config.token_reduction = cfg.to_dict()
     return model
+
+
+def _settings_property() -> property:
+    """``config.token_reduction`` on the supported config classes: assigning a ``TokenReductionConfig`` stores its
+    JSON-safe dict (so ``save_pretrained`` / ``to_json_string`` keep working), ``None`` or ``del`` turns it off.
+    Settings are validated where they are applied (``apply_token_reduction``, loading, and the first forward)."""
+
+    def get(config):
+        return config.__dict__.get("token_reduction")
+
+    def set_(config, value):
+        if value is None:
+            config.__dict__.pop("token_reduction", None)
+        else:
+            config.__dict__["token_reduction"] = value.to_dict() if isinstance(value, TokenReductionConfig) else value
+
+    def delete(config):
+        config.__dict__.pop("token_reduction", None)
+
+    return property(get, set_, delete, doc="token-reduction settings (a JSON-safe dict), or None")
 
 
 def get_token_reduction(model_or_config: Any) -> TokenReductionConfig | None:
@@ -126,7 +156,14 @@ def _active(config) -> tuple[TokenReductionConfig, ResolvedSchedule] | None:
         return None
     if isinstance(settings, TokenReductionConfig):
         settings = settings.to_dict()
-    return _schedule(json.dumps(settings, sort_keys=True), config.num_hidden_layers)
+    try:  # validated on first use too: settings may predate `import hf_tokred` or be set by hand
+        return _schedule(json.dumps(settings, sort_keys=True), config.num_hidden_layers)
+    except (TypeError, ValueError) as err:
+        raise ValueError(
+            f"model.config.token_reduction is invalid for this {config.num_hidden_layers}-layer model: "
+            f"{str(err).rstrip('.')}. Set valid settings with hf_tokred.apply_token_reduction(model, settings), "
+            "or turn reduction off with hf_tokred.apply_token_reduction(model, None)"
+        ) from None
 
 
 # ----------------------------------------------------------------------------- outputs
@@ -172,6 +209,58 @@ class TokenReductionCausalLMOutput(ModelOutput):
 # ----------------------------------------------------------------------------- the shared layer loop
 
 
+@dataclass(frozen=True)
+class _Prompt:
+    """Set while ``generate()`` runs on a reducing model: the prompt's length and the caller's protected mask."""
+
+    length: int
+    protected_mask: torch.Tensor | None
+
+
+_GENERATION: contextvars.ContextVar = contextvars.ContextVar("hf_tokred_generation", default=None)
+
+
+@dataclass(frozen=True)
+class ReductionRecord:
+    """What one reducing forward did: ``layer_lengths[b][i]`` real tokens of row ``b`` processed by block ``i``
+    (for one row: ``layer_lengths[0]``), ``input_lengths[b]`` real input tokens, the anchors that reduced, and
+    ``kept_positions[b]``: the input positions of row ``b`` that reached the last block."""
+
+    input_lengths: list[int]
+    layer_lengths: list[list[int]]
+    anchors: list[int]
+    kept_positions: list[list[int]]
+
+
+_RECORDS: contextvars.ContextVar = contextvars.ContextVar("hf_tokred_records", default=None)
+
+
+@contextlib.contextmanager
+def record_reduction():
+    """Collect a :class:`ReductionRecord` for every reducing forward run inside the block (prefills; decode steps
+    are not reduced and not recorded)::
+
+        with hf_tokred.record_reduction() as records:
+            model.generate(**inputs)
+        print(records[0].layer_lengths[0])   # tokens each block computed for the prompt
+    """
+    records: list[ReductionRecord] = []
+    token = _RECORDS.set(records)
+    try:
+        yield records
+    finally:
+        _RECORDS.reset(token)
+
+
+def _protected_for(mask: torch.Tensor, B: int, prefix: int, N: int) -> torch.Tensor:
+    """A caller's ``protected_mask [b, prefix]`` as ``[B, N]`` bool: rows repeated when generate expanded the batch
+    (beams, ``num_return_sequences``), columns after the prompt False."""
+    if mask.dim() != 2 or mask.shape[1] != prefix or B % max(mask.shape[0], 1):
+        raise ValueError(f"protected_mask must have shape (batch, sequence) = {(B, prefix)}, got {tuple(mask.shape)}")
+    mask = mask.to(torch.bool).repeat_interleave(B // mask.shape[0], dim=0)
+    return F.pad(mask, (0, N - prefix), value=False)
+
+
 @dataclass
 class _Reduced:
     hidden: torch.Tensor  # [B, M, D] after norm_f
@@ -190,8 +279,12 @@ def _is_fresh(cache) -> bool:
         return True
 
 
-def _anchor_block(block, hidden, cache, layer_mask, real, protected, cfg, keep_ratio, mixer_kwargs):
-    """One anchor block, split into its two branches so each can be reduced before they are added."""
+def _anchor_block(block, hidden, cache, layer_mask, real, protected, cfg, keep_ratio, mixer_kwargs, prefix):
+    """One anchor block, split into its two branches so each can be reduced before they are added.
+
+    Only the first ``prefix`` columns (the prompt, when a no-cache ``generate`` re-runs prompt + generated tokens)
+    are planned over; the columns after them are kept as they are, exactly as with a cache.
+    """
     residual = hidden
     h = block.norm(hidden.to(dtype=block.norm.weight.dtype))
     if block.residual_in_fp32:
@@ -199,7 +292,10 @@ def _anchor_block(block, hidden, cache, layer_mask, real, protected, cfg, keep_r
     h = block.mixer(h, cache=cache, attention_mask=layer_mask, **mixer_kwargs)
     with torch.no_grad():
         spec = cfg.spec
-        plan = make_plan(h.detach(), real, protected, keep_ratio, spec.selection, cfg.metric, spec.pairs)
+        plan = make_plan(h[:, :prefix].detach(), real[:, :prefix], protected[:, :prefix], keep_ratio, spec.selection,
+                         cfg.metric, spec.pairs)
+        if plan is not None and prefix < h.shape[1]:
+            plan = extend_plan(plan, prefix, h.shape[1])
     if plan is None:
         return residual + h, None
     return _apply_both(residual, h, plan, cfg), plan
@@ -242,39 +338,50 @@ def _reduced_backbone(
 
     B, N = inputs_embeds.shape[:2]
     device = inputs_embeds.device
+    _check_shapes(B, N, None, attention_mask)
     layer_mask = create_recurrent_attention_mask(
         config=config, inputs_embeds=inputs_embeds, attention_mask=attention_mask, cache=cache
     )
     reducing = N > 1 and _is_fresh(cache)
+    prompt = _GENERATION.get()
+    # inside generate(): only the prompt is reduced (a no-cache step re-runs prompt + generated tokens)
+    prefix = N if prompt is None else min(prompt.length, N)
     if reducing:
+        if attention_mask is not None and attention_mask.shape[1] != N:
+            raise ValueError(f"attention_mask must have shape (batch, length) = {(B, N)} for a forward without a "
+                             f"cache; got {tuple(attention_mask.shape)}")
         real = (
             torch.ones(B, N, dtype=torch.bool, device=device)
             if attention_mask is None
-            else attention_mask[:, -N:].to(device=device, dtype=torch.bool)
+            else attention_mask.to(device=device, dtype=torch.bool)
         )
-        # The last real token of every row always survives (next-token logits and the decode cache need it).
-        last = torch.where(real, torch.arange(N, device=device), -1).max(1).values
-        protected = real & (torch.arange(N, device=device)[None, :] == last[:, None])
-        if protected_mask is not None:
-            if protected_mask.shape != (B, N):
-                raise ValueError(
-                    f"protected_mask must have shape {(B, N)} (batch, sequence), got {tuple(protected_mask.shape)}"
-                )
-            protected |= protected_mask.to(device=device, dtype=torch.bool) & real
+        ar = torch.arange(N, device=device)
+        # The last real token of every row (of the prompt) always survives (next-token logits and the decode
+        # cache need it).
+        last = torch.where(real & (ar < prefix), ar, -1).max(1).values
+        protected = real & (ar[None, :] == last[:, None])
+        for extra in (protected_mask, None if prompt is None else prompt.protected_mask):
+            if extra is not None:
+                protected |= _protected_for(extra, B, prefix, N).to(device) & real
     positions = torch.arange(N, device=device).expand(B, N)
     mixer_kwargs = kwargs if family.mixer_takes_kwargs else {}
-    anchors = set(schedule.anchors) if reducing else set()
+    anchors = set(schedule.anchors) if reducing and prefix > 1 else set()
 
     hidden = inputs_embeds
     all_hidden = () if output_hidden_states else None
     plans = []
+    records = _RECORDS.get() if reducing else None
+    lengths = [] if records is not None else None
     for i, block in enumerate(backbone.layers):
+        if lengths is not None:
+            lengths.append(real.sum(1))
         if i in anchors:
             hidden, plan = _anchor_block(
-                block, hidden, cache, layer_mask, real, protected, cfg, schedule.keep_ratio, mixer_kwargs
+                block, hidden, cache, layer_mask, real, protected, cfg, schedule.keep_ratio, mixer_kwargs, prefix
             )
             if plan is not None:
                 plans.append((i, plan))
+                prefix = plan.keep.shape[1] - (real.shape[1] - prefix)  # the suffix columns are all kept
                 real = reduce_along(real, plan, False)
                 protected = reduce_along(protected, plan, False)
                 positions = reduce_along(positions, plan, -1)
@@ -286,6 +393,9 @@ def _reduced_backbone(
     hidden = backbone.norm_f(hidden)
     if output_hidden_states:
         all_hidden += (hidden,)
+    if records is not None:
+        records.append(ReductionRecord(lengths[0].tolist(), torch.stack(lengths, 1).tolist(), [a for a, _ in plans],
+                                       [p[r].tolist() for p, r in zip(positions, real)]))
     return _Reduced(hidden, positions, cache if use_cache else None, all_hidden, tuple(plans))
 
 
@@ -353,6 +463,38 @@ def _patch_backbone_forward(cls) -> None:
     cls.forward = forward
 
 
+def _reduced_loss(model, logits, labels, positions, loss_kwargs) -> torch.Tensor:
+    """Next-token loss of a reduced forward: the mean over the labelled positions that were computed.
+
+    ``num_items_in_batch`` (what ``Trainer`` passes: the labelled positions of the whole accumulated batch) is
+    made consistent with that meaning: this batch's mean is weighted by its share of the labelled positions, so
+    the sum over accumulation steps is the labelled-weighted mean of the per-batch means, and a single batch
+    reports exactly the mean over its computed labelled positions (never shrunk by the kept fraction).
+    """
+    shifted = F.pad(labels[:, 1:], (0, 1), value=-100).to(positions.device)
+    shift_labels = shifted.gather(1, positions.clamp_min(0)).masked_fill(positions < 0, -100)
+    loss_kwargs = dict(loss_kwargs)
+    total = loss_kwargs.pop("num_items_in_batch", None)
+    loss = model.loss_function(
+        logits=logits, labels=None, shift_labels=shift_labels, vocab_size=model.config.vocab_size, **loss_kwargs
+    )
+    if total is not None:
+        share = (shifted != -100).sum().to(loss.device, loss.dtype)
+        loss = loss * share / (total.to(loss.device, loss.dtype) if torch.is_tensor(total) else float(total))
+    return loss
+
+
+def _check_shapes(B: int, N: int, labels, attention_mask) -> None:
+    """Labels and attention mask must match the input's ``(batch, length)``: checked before any work is done."""
+    if labels is not None and tuple(labels.shape) != (B, N):
+        raise ValueError(f"labels must have the shape of input_ids {(B, N)} (batch, sequence); got "
+                         f"{tuple(labels.shape)}. Pass one label per input position (-100 where nothing is scored).")
+    if attention_mask is not None and (attention_mask.dim() != 2 or attention_mask.shape[0] != B
+                                       or attention_mask.shape[1] < N):
+        raise ValueError(f"attention_mask must have shape (batch, length) = {(B, N)} for input of that shape; got "
+                         f"{tuple(attention_mask.shape)}")
+
+
 _BACKBONE_KEYS = (
     "input_ids", "inputs_embeds", "cache", "use_cache", "output_hidden_states", "attention_mask", "protected_mask"
 )
@@ -376,6 +518,9 @@ def _patch_lm_forward(cls) -> None:
                              "select positions from the compact logits with kept_positions instead")
         return_dict = p.pop("return_dict")
         return_dict = return_dict if return_dict is not None else self.config.return_dict
+        if labels is not None:
+            x = p["input_ids"] if p["input_ids"] is not None else p["inputs_embeds"]
+            _check_shapes(*x.shape[:2], labels, None)
         loss_kwargs = {k: v for k, v in p.items() if k not in _BACKBONE_KEYS}
         r = _reduced_backbone(self.backbone, *active, **{k: p.get(k) for k in _BACKBONE_KEYS})
         N = (p["input_ids"] if p["input_ids"] is not None else p["inputs_embeds"]).shape[1]
@@ -397,11 +542,7 @@ def _patch_lm_forward(cls) -> None:
 
         loss = None
         if labels is not None:
-            shifted = F.pad(labels[:, 1:], (0, 1), value=-100).to(r.positions.device)
-            shift_labels = shifted.gather(1, r.positions.clamp_min(0)).masked_fill(r.positions < 0, -100)
-            loss = self.loss_function(
-                logits=every, labels=None, shift_labels=shift_labels, vocab_size=self.config.vocab_size, **loss_kwargs
-            )
+            loss = _reduced_loss(self, every, labels, r.positions, loss_kwargs)
         if not return_dict:
             out = tuple(v for v in (logits, r.cache, r.all_hidden) if v is not None)
             return ((loss,) + out) if loss is not None else out
@@ -417,6 +558,35 @@ def _patch_lm_forward(cls) -> None:
 
     forward._hf_tokred_original = original
     cls.forward = forward
+
+
+def _patch_generate(cls) -> None:
+    """``generate()`` on a reducing model reduces the prompt only, with or without a cache (a no-cache step
+    re-runs prompt + generated tokens; the generated tokens are kept as they are), and takes
+    ``protected_mask [batch, prompt length]`` for the prompt."""
+    original = cls.generate
+
+    @functools.wraps(original)
+    def generate(self, inputs=None, *args, protected_mask=None, **kwargs):
+        if _active(self.config) is None:  # nothing is reduced: every position survives anyway
+            return original(self, inputs, *args, **kwargs)
+        prompt = next((x for x in (inputs, kwargs.get("input_ids"), kwargs.get("inputs_embeds")) if x is not None), None)
+        if prompt is None:
+            return original(self, inputs, *args, **kwargs)
+        length = prompt.shape[1]
+        if protected_mask is not None:
+            protected_mask = torch.as_tensor(protected_mask)
+            if tuple(protected_mask.shape) != tuple(prompt.shape[:2]):
+                raise ValueError(f"protected_mask must have the prompt's shape {tuple(prompt.shape[:2])} "
+                                 f"(batch, prompt length), got {tuple(protected_mask.shape)}")
+        token = _GENERATION.set(_Prompt(length, protected_mask))
+        try:
+            return original(self, inputs, *args, **kwargs)
+        finally:
+            _GENERATION.reset(token)
+
+    generate._hf_tokred_original = original
+    cls.generate = generate
 
 
 # ----------------------------------------------------------------------------- loading
@@ -435,10 +605,40 @@ def _finish_loading(model, token_reduction, source) -> Any:
             return apply_token_reduction(model, settings)
         except (TypeError, ValueError) as err:
             raise ValueError(
-                f"the token_reduction block in the config of {source!r} is invalid: {err}. Fix that block in "
+                f"the token_reduction block in the config of {source!r} is invalid: {str(err).rstrip('.')}. Fix that block in "
                 "config.json, or load with token_reduction=None to ignore it."
             ) from err
     return apply_token_reduction(model, token_reduction)
+
+
+def _settings_only_variant(cls, source, kwargs) -> dict | None:
+    """The config dict of ``source`` when it is a settings-only hf_tokred variant (no weights of its own)."""
+    from .hub import VARIANT_MODEL_TYPE
+
+    if not isinstance(source, (str, os.PathLike)) or "config" in kwargs:
+        return None
+    hub = {k: kwargs[k] for k in ("cache_dir", "local_files_only", "revision", "subfolder", "token") if k in kwargs}
+    try:
+        config, _ = PreTrainedConfig.get_config_dict(source, **hub)
+    except (OSError, ValueError):
+        return None
+    return config if config.get("model_type") == VARIANT_MODEL_TYPE else None
+
+
+def _load_variant_as(cls, source, token_reduction, args, kwargs):
+    """``Mamba*ForCausalLM.from_pretrained(<settings-only variant>)``: load its base model through the variant
+    loader, and check that the base model is of the class asked for."""
+    from .hub import TokenReductionVariant
+
+    if token_reduction is not _UNSET:
+        kwargs = {**kwargs, "token_reduction": token_reduction}
+    model = TokenReductionVariant.from_pretrained(source, *args, **kwargs)
+    loaded = model[0] if isinstance(model, tuple) else model
+    if not isinstance(loaded, cls):
+        raise ValueError(f"{str(source)!r} is a settings-only hf_tokred variant whose base model is a "
+                         f"{type(loaded).__name__}, not a {cls.__name__}; load it with "
+                         "AutoModelForCausalLM.from_pretrained")
+    return model
 
 
 def _patch_model_from_pretrained() -> None:
@@ -460,6 +660,11 @@ def _patch_model_from_pretrained() -> None:
         token = _PENDING.set(_UNSET)
         try:
             model = original(cls, pretrained_model_name_or_path, *args, **kwargs)
+        except OSError:
+            variant = _settings_only_variant(cls, pretrained_model_name_or_path, kwargs)
+            if variant is None:
+                raise
+            return _load_variant_as(cls, pretrained_model_name_or_path, token_reduction, args, kwargs)
         finally:
             _PENDING.reset(token)
         if not isinstance(model, PreTrainedModel):  # e.g. output_loading_info=True returns a tuple
@@ -488,6 +693,34 @@ def _patch_auto_from_pretrained(cls) -> None:
     cls.from_pretrained = classmethod(from_pretrained)
 
 
+def _patch_auto_config() -> None:
+    """``AutoConfig.from_pretrained(..., token_reduction=)`` stores validated settings on a supported config and
+    refuses any other config (instead of silently dropping the argument)."""
+    from transformers import AutoConfig
+
+    original = AutoConfig.__dict__["from_pretrained"].__func__
+
+    @functools.wraps(original)
+    def from_pretrained(cls, *args, token_reduction=_UNSET, **kwargs):
+        loaded = original(cls, *args, **kwargs)
+        if token_reduction is _UNSET:
+            return loaded
+        config = loaded[0] if isinstance(loaded, tuple) else loaded
+        if getattr(config, "model_type", None) not in FAMILIES:
+            raise ValueError(
+                f"token_reduction applies to Mamba / Mamba-2 configs; this config has "
+                f"model_type={getattr(config, 'model_type', None)!r}. Drop token_reduction= for this model."
+            )
+        if token_reduction is not None:
+            token_reduction = TokenReductionConfig.coerce(token_reduction)
+            token_reduction.resolve(config.num_hidden_layers)  # raises if the schedule does not fit this depth
+        config.token_reduction = token_reduction
+        return loaded
+
+    from_pretrained._hf_tokred_original = original
+    AutoConfig.from_pretrained = classmethod(from_pretrained)
+
+
 def _auto_classes() -> list[type]:
     from transformers.models.auto import modeling_auto
 
@@ -511,9 +744,12 @@ def install() -> None:
 
     fastpath.install()
     for family in FAMILIES.values():
+        family.lm_class.config_class.token_reduction = _settings_property()
         _patch_backbone_forward(family.backbone_class)
         _patch_lm_forward(family.lm_class)
+        _patch_generate(family.lm_class)
     _patch_model_from_pretrained()
+    _patch_auto_config()
     for auto_class in _auto_classes():
         _patch_auto_from_pretrained(auto_class)
     from . import hub

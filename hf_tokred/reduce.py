@@ -19,7 +19,7 @@ ties decided by position, not by rounding noise.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +29,7 @@ __all__ = [
     "Selection",
     "apply_plan",
     "apply_plan_pair",
+    "extend_plan",
     "importance",
     "make_plan",
     "num_to_remove",
@@ -290,6 +291,14 @@ def make_plan(
     slot_of[rows_of.expand(B, M)[keep_mask], keep[keep_mask]] = torch.arange(M, device=device).expand(B, M)[keep_mask]
     dst_slot = slot_of.gather(1, dst).clamp_min(0)  # unused (invalid or pruned) entries point at slot 0
     return Plan(keep, keep_mask, src, dst, dst_slot, ok, score)
+
+
+def extend_plan(plan: Plan, prefix: int, length: int) -> Plan:
+    """A plan made on the first ``prefix`` columns, extended to a sequence of ``length`` columns whose columns
+    ``prefix, ..., length - 1`` are all kept, unchanged, after the reduced prefix."""
+    tail = torch.arange(prefix, length, device=plan.keep.device).expand(plan.keep.shape[0], -1)
+    return replace(plan, keep=torch.cat([plan.keep, tail], 1),
+                   keep_mask=torch.cat([plan.keep_mask, torch.ones_like(tail, dtype=torch.bool)], 1))
 
 
 def _merge_weights(plan: Plan, strategy: str, q: float, x_src: torch.Tensor) -> torch.Tensor | None:

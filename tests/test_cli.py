@@ -25,7 +25,7 @@ def test_schedule_reports_exact_flops_for_a_model(capsys):
                  "--json"]) == 0
     row = json.loads(capsys.readouterr().out)
     assert len(row["layer_lengths"]) == 12 and row["layer_lengths"][0] == 256
-    assert abs(row["flops_reduction_proxy_at_length"] - 0.2) < 0.02 and row["flops_reduction_exact_at_length"] > 0
+    assert abs(row["flops_reduction_proxy_at_length"] - 0.2) < 0.02 and row["flops_reduction_exact_scoring"] > row["flops_reduction_exact_prefill"] > 0
 
 
 def test_generate_json(capsys):

@@ -288,11 +288,11 @@ def test_stock_transformers_loads_a_full_copy_and_trust_remote_code_finds_the_pl
 # ----------------------------------------------------------------------------- model card
 
 
-def _eval_result(settings, model_type="mamba", layers=6, acc=0.625):
+def _eval_result(settings, model_type="mamba", layers=6, acc=0.625, model="base"):
     from hf_tokred.evaluation.harness import SCHEMA, paper_row
 
     result = {
-        "schema": SCHEMA, "model": "base", "model_type": model_type, "num_hidden_layers": layers, "method": "utrc",
+        "schema": SCHEMA, "model": str(model), "model_type": model_type, "num_hidden_layers": layers, "method": "utrc",
         "token_reduction": TokenReductionConfig.coerce(settings).to_dict(), "flops_target": 0.2,
         "tasks": {"piqa": {"status": "ok", "metrics": {"acc": acc, "acc_norm": 0.5}, "documents": 8},
                   "lambada_openai": {"status": "missing", "metrics": {}, "note": "offline"}},
@@ -323,7 +323,7 @@ def test_model_card_states_settings_flops_licence_and_how_to_load(base, tmp_path
 
 
 def test_model_card_eval_table_only_from_matching_results(base, tmp_path, family):
-    result = _eval_result(SETTINGS, model_type=family)
+    result = _eval_result(SETTINGS, model_type=family, model=base)
     path = tmp_path / "results.json"
     path.write_text(json.dumps(result))
     out = hub.save_variant(base, SETTINGS, tmp_path / "v", eval_results=path)
@@ -385,7 +385,7 @@ def test_push_full_copy_uploads_with_the_hf_api(tmp_path, monkeypatch, capsys):
 
     fake = FakeHub(tmp_path / "hub")
     monkeypatch.setattr(huggingface_hub, "HfApi", lambda token=None: fake)
-    result = _eval_result({"method": "utrc", "flops_reduction": 0.2}, layers=12, acc=0.4)
+    result = _eval_result({"method": "utrc", "flops_reduction": 0.2}, layers=12, acc=0.4, model="random:mamba-tiny")
     (tmp_path / "r.json").write_text(json.dumps(result))
     assert run_cli(["push", "--model", "random:mamba-tiny", "--flops-reduction", "0.2", "--full-copy", "--private",
                     "--repo", "someone/tiny-full", "--eval-results", str(tmp_path / "r.json"), "--json"],

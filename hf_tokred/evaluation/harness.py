@@ -59,6 +59,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from ..config import TokenReductionConfig, setting_text
+from ..models import weights_fingerprint
 from ..flops import model_flops
 from ..patch import apply_token_reduction, get_token_reduction
 from . import data as data_mod
@@ -325,7 +326,8 @@ def _hflm_class():
                 for _, ctx, cont in chunk:
                     assert len(ctx) > 0 and len(cont) > 0, "empty context or continuation"
                     if len(cont) > max_len:
-                        raise ValueError(f"a continuation of {len(cont)} tokens exceeds max_length={max_len}")
+                        raise ValueError(f"a continuation of {len(cont)} tokens exceeds max_length={max_len}; use a larger "
+                                         "max_length (hf-tokred eval --max-length)")
                     inp = (ctx + cont)[-(max_len + 1):][:-1]
                     k = longest[tuple(ctx + cont[:-1])] if self.logits_cache else len(cont)
                     rows.append((inp, min(k, len(inp))))
@@ -756,6 +758,7 @@ def evaluate_model(
         "schema": SCHEMA,
         "created": datetime.now(UTC).isoformat(timespec="seconds"),
         "model": model_name or getattr(model.config, "_name_or_path", "") or type(model).__name__,
+        "model_fingerprint": weights_fingerprint(model),
         "model_type": model.config.model_type,
         "num_hidden_layers": model.config.num_hidden_layers,
         "method": method_label(cfg),
