@@ -183,17 +183,17 @@ BAD_INPUT = [
     (["bench", "--model", "random:gpt2-tiny", "--length", "8"], "--model"),
     (["eval", "--model", "random:mamba-tiny", "--max-length", "4", "--tasks", "arc_easy", "--limit", "2",
       "--no-fidelity"], "--max-length"),
-    (["push", "--model", "random:gpt2-tiny", "--flops-reduction", "0.2", "--output", "/tmp/x"], "--model"),
+    (["push", "--model", "random:gpt2-tiny", "--flops-reduction", "0.2", "--full-copy", "--output", "/tmp/hf_tokred_push_test"], "--model"),
 ]
 
 
 @pytest.mark.parametrize("argv,needle", BAD_INPUT, ids=[" ".join(a[:3]) for a, _ in BAD_INPUT])
-def test_cli_user_errors_are_one_line_exit_2(argv, needle, capsys):
+def test_cli_user_errors_are_one_line_exit_2(argv, needle, capsys, tmp_path):
     if argv[0] == "eval":
-        pytest.importorskip("lm_eval")
         from hf_tokred.evaluation import data
 
         data.fetch_data()  # the offline splits (as test_evaluation.py does)
+        argv = [*argv, "--output", str(tmp_path)]
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
