@@ -173,7 +173,7 @@ def pytest_configure(config):
             f"missing test dependencies: {', '.join(missing)} (install the test extra: pip install -e '.[test]'); "
             "their tests would be skipped, not run. Set HF_TOKRED_ALLOW_MISSING_TEST_DEPS=1 to run without them."
         )
-    config.option.strict_markers = True
+    config.addinivalue_line("filterwarnings", "error::pytest.PytestUnknownMarkWarning")  # like --strict-markers
     if os.environ.get("HF_TOKRED_CI") == "1":
         config.option.hypothesis_show_statistics = True
 

@@ -62,13 +62,17 @@ def test_flops_zero_and_short_inputs_generate_like_stock(model):
 # ----------------------------------------------------------------------------- 2/4. what survives, logits, loss
 
 
-@pytest.mark.parametrize("method", sorted(METHOD_STRATEGIES))
-def test_reduced_logits_and_loss_match_slow_reference(model, method):
+METHOD_Q = [(m, 0.5) for m in sorted(METHOD_STRATEGIES)] + [  # q != 0.5: the prune and merge shares differ
+    ("utrc", 0.2), ("utrc", 0.8), ("utrc_reference", 0.25), ("utrc_reference", 0.8)]
+
+
+@pytest.mark.parametrize("method, q", METHOD_Q)
+def test_reduced_logits_and_loss_match_slow_reference(model, method, q):
     ids, mask = batch(2, lengths=(24, 17))
     labels = ids.masked_fill(mask == 0, -100)
     protect = torch.zeros_like(mask, dtype=torch.bool)
     protect[0, 10] = protect[1, 20] = True
-    reduced(model, method=method, keep_ratio=0.7, anchors=[1, 3], q=0.5)
+    reduced(model, method=method, keep_ratio=0.7, anchors=[1, 3], q=q)
     with torch.no_grad():
         out = model(ids, attention_mask=mask, labels=labels, protected_mask=protect)
     assert len(out.plans) == 2
@@ -82,7 +86,7 @@ def test_reduced_logits_and_loss_match_slow_reference(model, method):
         assert out.computed_mask[b].nonzero().flatten().tolist() == kept
         real = mask[b].nonzero().flatten()
         plans = row_plans(out.plans, mask.bool(), b)
-        ref = slow_forward(model, ids[b, real], plans, len(real), hidden, residual, 0.5)
+        ref = slow_forward(model, ids[b, real], plans, len(real), hidden, residual, q)
         assert torch.allclose(out.logits[b, kept], ref, atol=ATOL, rtol=0)
         dropped = [p for p in range(N) if p not in kept]
         assert torch.isnan(out.logits[b, dropped]).all()
