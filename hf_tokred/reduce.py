@@ -166,13 +166,18 @@ def _select_importance_similarity(h, protected, r, metric) -> Selection:
 def _select_reference(h, protected, r, metric) -> Selection:
     """The reference code's selection, operation for operation: a per-channel sort along the token axis,
     then ``a @ b^T`` on the sorted halves, with row ``i`` of ``a`` read as even token ``2i`` and row ``j``
-    of ``b`` as odd token ``2j+1``.  On non-negative inputs this removes 0, 2, ..., 2r-2 into token 1."""
+    of ``b`` as odd token ``2j+1``.  On non-negative inputs this removes 0, 2, ..., 2r-2 into token 1.
+
+    Unlike the other selections, link scores are compared as computed (no tie grid), so the choice equals the
+    authors' whenever theirs is not an exact floating-point tie; padding invariance therefore holds only up to
+    float rounding of the scores (rows computed with and without padding may split a near-tie differently)."""
     n = h.shape[1]
     feat = _features(h, metric)
     feat = feat / feat.norm(dim=-1, keepdim=True).clamp_min(1e-12)  # normalised before the per-channel sort
     ranked = torch.sort(feat, dim=1, descending=True, stable=True).values
     a, b = ranked[:, n // 2 :], ranked[:, : n // 2]
-    best, match = (a @ b.transpose(1, 2)).div_(_SIM_GRID).round_().max(-1)
+    # raw scores, no tie grid: the authors' arg-sort separates near-ties by their float values, and so do we
+    best, match = (a @ b.transpose(1, 2)).max(-1)
     even = torch.arange(0, n, 2, device=h.device)
     best = best.masked_fill(protected[:, even], -math.inf)
     sel, ok = _top_links(best, r)
