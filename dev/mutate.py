@@ -45,11 +45,26 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+#: The tree the mutants are made from and applied to (a copy; set by main()).
+SRC = ROOT
+
+
+def _first_existing(*paths: str) -> tuple[str, ...]:
+    """Where the module may live (the package layout moved: hf_tokred/scan.py -> hf_tokred/ops/scan.py)."""
+    return paths
+
+
 @dataclass(frozen=True)
 class Target:
-    path: str
+    paths: tuple[str, ...] | str
     functions: tuple[str, ...]  # qualified names ("Class.method", "outer"); () = the whole module
     tests: tuple[str, ...]
+
+    @property
+    def path(self) -> str:
+        """The module's path in the tree under test."""
+        paths = (self.paths,) if isinstance(self.paths, str) else self.paths
+        return next((p for p in paths if (SRC / p).exists()), paths[0])
 
 
 # The modules of the core, the functions mutated in each, and the tests that cover them.
@@ -62,9 +77,9 @@ TARGETS = {
     "patch": Target("hf_tokred/patch.py", (
         "_anchor_block", "_apply_both", "_reduced_backbone", "_protected_for", "_scatter_to_positions",
         "_computed_mask", "_reduced_loss", "_patch_lm_forward"), _MODEL_TESTS),
-    "scan": Target("hf_tokred/scan.py", (), (
+    "scan": Target(_first_existing("hf_tokred/ops/scan.py", "hf_tokred/scan.py"), (), (
         "tests/test_scan.py", "tests/test_oracles.py", "tests/test_fastpath.py")),
-    "cpu_kernel": Target("hf_tokred/cpu_kernel.py", ("_or_empty", "selective_scan_cpu", "causal_conv1d_cpu",
+    "cpu_kernel": Target(_first_existing("hf_tokred/ops/cpu.py", "hf_tokred/cpu_kernel.py"), ("_or_empty", "selective_scan_cpu", "causal_conv1d_cpu",
                                                      "grid_argmax"), (
         "tests/test_fastpath.py", "tests/test_oracles.py", "tests/test_scan.py", "tests/test_reduce.py")),
     "flops": Target("hf_tokred/flops.py", (
@@ -77,7 +92,8 @@ TARGETS = {
         "TokenReductionConfig.residual", "TokenReductionConfig.resolve", "_check_depth", "_real"), (
         "tests/test_config.py", "tests/test_properties.py", "tests/test_model.py", "tests/test_batch.py")),
 }
-TARGETS["csrc"] = Target("hf_tokred/csrc/selective_scan_cpu.cpp", (), TARGETS["cpu_kernel"].tests)
+TARGETS["csrc"] = Target(_first_existing("hf_tokred/ops/csrc/selective_scan_cpu.cpp", "hf_tokred/csrc/selective_scan_cpu.cpp"),
+                         (), TARGETS["cpu_kernel"].tests)
 
 
 @dataclass(frozen=True)
@@ -213,7 +229,7 @@ def _excluded_lines(fn: ast.AST) -> set[int]:
 
 
 def generated_mutants(module: str, target: Target) -> list[Mutant]:
-    source = (ROOT / target.path).read_text()
+    source = (SRC / target.path).read_text()
     tree = ast.parse(source)
     lines: set[int] = set()
     excluded: set[int] = set()
@@ -255,7 +271,7 @@ def generated_mutants(module: str, target: Target) -> list[Mutant]:
 def planted_mutants() -> list[Mutant]:
     out = []
     for pid, module, old, new, note in PLANTED:
-        text = (ROOT / TARGETS[module].path).read_text()
+        text = (SRC / TARGETS[module].path).read_text()
         at = text.find(old)
         if at < 0 or text.count(old) != 1:
             raise SystemExit(f"planted mutant {pid}: the text to replace occurs {text.count(old)} times in "
@@ -296,14 +312,24 @@ class Result:
     reason: str = ""
 
 
-def _copy_tree(workdir: Path) -> None:
+def _copy_tree(workdir: Path, source: str) -> str:
+    """Copy the package, the tests and pyproject.toml into ``workdir``: from a commit (``git archive``, the default
+    ``HEAD``: a consistent state while others edit the working tree) or, with ``worktree``, as they are now."""
     if workdir.exists():
         shutil.rmtree(workdir)
     workdir.mkdir(parents=True)
-    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".hypothesis", ".pytest_cache")
-    shutil.copytree(ROOT / "hf_tokred", workdir / "hf_tokred", ignore=ignore)
-    shutil.copytree(ROOT / "tests", workdir / "tests", ignore=ignore)
-    shutil.copy(ROOT / "pyproject.toml", workdir / "pyproject.toml")
+    if source == "worktree":
+        ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".hypothesis", ".pytest_cache")
+        shutil.copytree(ROOT / "hf_tokred", workdir / "hf_tokred", ignore=ignore)
+        shutil.copytree(ROOT / "tests", workdir / "tests", ignore=ignore)
+        shutil.copy(ROOT / "pyproject.toml", workdir / "pyproject.toml")
+        return "working tree"
+    commit = subprocess.run(["git", "rev-parse", "--short", source], cwd=ROOT, capture_output=True, text=True,
+                            check=True).stdout.strip()
+    archive = subprocess.run(["git", "archive", commit, "hf_tokred", "tests", "pyproject.toml"], cwd=ROOT,
+                             capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(workdir)], input=archive, check=True)
+    return f"commit {commit}"
 
 
 def _env(workdir: Path, ext_dir: str) -> dict:
@@ -377,9 +403,15 @@ def main() -> int:
     parser.add_argument("--list", action="store_true", help="list the mutants and exit")
     parser.add_argument("--timeout", type=float, default=0, help="seconds per mutant (default: 4x the baseline)")
     parser.add_argument("--workdir", default="/tmp/hf_tokred_mutants")
+    parser.add_argument("--source", default="HEAD", help="a commit to copy (default HEAD), or 'worktree'")
     parser.add_argument("--json", default="", help="write the results to this file")
     args = parser.parse_args()
 
+    global SRC
+    workdir = Path(args.workdir)
+    what = _copy_tree(workdir, args.source)
+    SRC = workdir
+    print(f"mutating a copy of the {what} in {workdir}", flush=True)
     modules = [m for m in args.modules.split(",") if m]
     mutants = [] if args.no_planted else [m for m in planted_mutants() if m.module in modules]
     for module in modules:
@@ -394,8 +426,6 @@ def main() -> int:
         print(f"{len(mutants)} mutants")
         return 0
 
-    workdir = Path(args.workdir)
-    _copy_tree(workdir)
     _preload()
     check = subprocess.run([sys.executable, "-c", "import hf_tokred; print(hf_tokred.__file__)"], cwd=workdir,
                            env=_env(workdir, ".ext"), capture_output=True, text=True)

@@ -215,11 +215,37 @@ def test_unsupported_model_type_is_rejected() -> None:
         (lambda c: proxy_flops_reduction([], 8), "layer_lengths"),
         (lambda c: proxy_flops_reduction([8, 0], 8), r"layer_lengths\[1\]"),
         (lambda c: proxy_flops_reduction([8, 8], -2), "dense_length"),
+        (lambda c: model_flops(c, 48), "layer_lengths must be a sequence"),
+        (lambda c: model_flops(c, "48"), "layer_lengths must be a sequence"),
+        (lambda c: model_flops(c, [8.0, 8]), r"layer_lengths\[0\] must be an integer"),
+        (lambda c: model_flops(c, [True, 8]), r"layer_lengths\[0\] must be an integer"),
+        (lambda c: layer_flops(c, 4, batch=2.5), "batch must be an integer"),
+        (lambda c: model_flops(c, [8, 8], batch=0), "batch must be >= 1"),
+        (lambda c: flops_reduction(c, [8, 4], dense_length=8, batch=0), "batch must be >= 1"),
+        (lambda c: proxy_flops_reduction([8, 8], 0), "dense_length must be >= 1"),
+        (lambda c: flops_reduction(c, [8, 4], dense_length=0), "dense_length must be >= 1"),
     ],
 )
 def test_bad_inputs_name_the_field(call, field: str) -> None:
     with pytest.raises(ValueError, match=field):
         call(_mamba1_config())
+
+
+@pytest.mark.parametrize("make_config", [_mamba1_config, _mamba2_config])
+def test_defaults_and_the_smallest_valid_inputs(make_config) -> None:
+    """batch defaults to 1 (each count is linear in the batch); one token, one position, a dense length of 1 are
+    valid inputs, not errors."""
+    config = make_config()
+    assert model_flops(config, [8, 3]) == model_flops(config, [8, 3], batch=1)
+    assert layer_flops(config, 5) == layer_flops(config, 5, batch=1)
+    doubled = model_flops(config, [8, 3], batch=2)
+    assert all(getattr(doubled, f) == 2 * getattr(model_flops(config, [8, 3]), f)
+               for f in ("projections", "conv", "scan", "norm", "lm_head", "elementwise"))
+    one = layer_flops(config, 1)
+    assert one.total > 0 and one.matmul > 0
+    assert model_flops(config, [1, 1], lm_head_positions=1).lm_head == 2 * config.hidden_size * config.vocab_size
+    assert flops_reduction(config, [1, 1], dense_length=1) == 0.0 and proxy_flops_reduction([1, 1], 1) == 0.0
+    assert flops_reduction(config, [8, 3], 8) == flops_reduction(config, [8, 3], 8, batch=3)  # a ratio
 
 
 def test_breakdown_matmul_and_total() -> None:
@@ -305,8 +331,11 @@ def _dispatched(model, lengths, head_positions):
     return counter.flops
 
 
-def _config(kind, use_bias, use_conv_bias):
+def _config(kind, use_bias, use_conv_bias, layers=2):
     config = (_mamba1_config if kind == "mamba" else _mamba2_config)()
+    config.num_hidden_layers = layers
+    if kind == "mamba2-groups":  # B and C shared by groups of heads
+        config.n_groups = 2
     config.use_bias, config.use_conv_bias = use_bias, use_conv_bias
     return config
 
@@ -314,13 +343,15 @@ def _config(kind, use_bias, use_conv_bias):
 @pytest.mark.parametrize("kind, lengths, head_positions", [
     ("mamba", [23, 23], 23), ("mamba", [21, 9], 9), ("mamba", [12, 4], 1),
     ("mamba2", [23, 23], 23), ("mamba2", [37, 20], 20), ("mamba2", [32, 7], 1), ("mamba2", [16, 16], 16),
+    ("mamba2-groups", [19, 11], 11), ("mamba", [20, 12, 5], 4), ("mamba2", [20, 12, 5], 5),
 ])
 @pytest.mark.parametrize("use_bias, use_conv_bias", [(False, True), (True, False)], ids=["conv-bias", "linear-bias"])
 def test_every_term_equals_the_dispatched_ops(kind, lengths, head_positions, use_bias, use_conv_bias):
-    config = _config(kind, use_bias, use_conv_bias)
+    config = _config(kind, use_bias, use_conv_bias, layers=len(lengths))
     torch.manual_seed(0)
     model = (MambaForCausalLM if kind == "mamba" else Mamba2ForCausalLM)(config).eval()
     got = _dispatched(model, lengths, head_positions)
+    kind = kind.split("-")[0]
     analytic = model_flops(config, lengths, batch=BATCH, lm_head_positions=head_positions)
     norms = 2 * len(lengths) if kind == "mamba2" else len(lengths)  # per-block RMSNorms (+ Mamba-2's gated norm)
     group_count = 1 if kind == "mamba" else config.n_groups

@@ -148,12 +148,18 @@ def test_mamba1_scan_initial_state_gradient_equals_equations(chunk_size):
         torch.testing.assert_close(grads[k], g_ref.float(), atol=1e-4, rtol=1e-4, msg=lambda m: f"d/d{k}: {m}")
 
 
+@pytest.mark.parametrize("regime", ["plain", "strong-decay"])
 @pytest.mark.parametrize("optional", [True, False], ids=["D-z-bias", "bare"])
 @pytest.mark.parametrize("name", sorted(FORWARD_ONLY))
 @torch.no_grad()
-def test_mamba1_inference_scans_equal_transformers(name, optional):
+def test_mamba1_inference_scans_equal_transformers(name, optional, regime):
+    """Every inference scan against transformers' loop; "strong-decay": time steps of 3 to 8 (softplus far from
+    linear) and decays exp(dt A) down to e^-200 (a state forgotten within a step)."""
     assert cpu_kernel.available(), "the C++ kernels must build on this machine"
     inputs = scan_inputs(d=13, n=5, L=31, seed=6 + optional, optional=optional)
+    if regime == "strong-decay":
+        inputs["dt"] = inputs["dt"] + 6.0
+        inputs["A"] = inputs["A"] * 5
     if not optional:
         inputs["dt"] = F.softplus(inputs["dt"])
     y, state = FORWARD_ONLY[name](**inputs, delta_softplus=optional, return_last_state=True)
