@@ -1,4 +1,4 @@
-"""Time transformers' per-step selective scan against ``hf_tokred.scan.selective_scan`` on CPU.
+"""Time transformers' per-step selective scan against ``hf_tokred.ops.scan.selective_scan`` on CPU.
 
 The inputs have the shape of one Mamba-130m mixer layer (d_inner 1536, state size 16) and are
 initialised like ``MambaMixer`` (S4D-real ``A``, ``dt`` bias giving time steps in [1e-3, 1e-1]).
@@ -24,7 +24,7 @@ import torch
 from transformers.models.mamba.modeling_mamba import mamba_selective_scan
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-from hf_tokred.scan import DEFAULT_CHUNK_SIZE, selective_scan  # noqa: E402
+from hf_tokred.ops.scan import DEFAULT_CHUNK_SIZE, selective_scan  # noqa: E402
 
 
 def make_inputs(

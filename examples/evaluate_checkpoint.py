@@ -49,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     except DataFetchError as err:
         print(f"could not fetch the evaluation data: {err}", file=sys.stderr)
         return 1
-    from hf_tokred.evaluation.harness import evaluate_model, format_row
+    from hf_tokred.evaluation.results import format_row
+    from hf_tokred.evaluation.runner import evaluate_model
 
     cfg = TokenReductionConfig(method=args.method, flops_reduction=args.flops_reduction) \
         if args.flops_reduction > 0 else None

@@ -4,22 +4,16 @@
     from hf_tokred import TokenReductionConfig
     model = MambaForCausalLM.from_pretrained(path, token_reduction=TokenReductionConfig(flops_reduction=0.2))
 
-Importing the package installs the hooks that make ``token_reduction=`` work on transformers' own classes.
+Importing the package installs the hooks that make ``token_reduction=`` work on transformers' own classes
+(:func:`install`; :func:`uninstall` removes them, :func:`set_fast_kernels` switches the fast Mamba-1 kernels).
 """
 
-from .models import load_bundled, load_model
 from .config import METHODS, METRICS, STRATEGIES, ResolvedSchedule, TokenReductionConfig, default_anchors
-from .patch import (
-    ReductionRecord,
-    TokenReductionCausalLMOutput,
-    TokenReductionModelOutput,
-    apply_token_reduction,
-    get_token_reduction,
-    install,
-    record_reduction,
-)
-
-__version__ = "0.1.0"
+from .install import install, installed, set_fast_kernels, uninstall
+from .models import load_bundled, load_model
+from .outputs import ReductionRecord, TokenReductionCausalLMOutput, TokenReductionModelOutput, record_reduction
+from .settings import apply_token_reduction, get_token_reduction
+from .version import __version__
 
 install()
 
@@ -37,7 +31,10 @@ __all__ = [
     "default_anchors",
     "get_token_reduction",
     "install",
+    "installed",
     "load_bundled",
     "load_model",
     "record_reduction",
+    "set_fast_kernels",
+    "uninstall",
 ]

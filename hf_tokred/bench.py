@@ -7,9 +7,7 @@ Reported figures are medians with min/max; speed-ups are ratios of medians.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
 import multiprocessing
 import platform
 import statistics
@@ -20,10 +18,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
 
-from .models import check_model_spec
+from . import fastpath
+from .flops import flops_reduction, measured_proxy_reduction
+from .models import load_model
+from .outputs import record_reduction
+from .settings import apply_token_reduction
 
-__all__ = ["BenchSetting", "add_parser", "run_bench"]
+__all__ = ["BenchSetting", "format_table", "run_bench"]
 
 
 @dataclass
@@ -42,51 +45,21 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-@contextlib.contextmanager
-def _timed_reduction(sink: list[float], device: torch.device):
-    """Time spent choosing plans and applying them (the reduction's own cost) during one forward."""
-    from . import patch
-
-    originals = patch.make_plan, patch._apply_both
-    spent = [0.0]
-
-    def timed(fn):
-        def wrapper(*args, **kwargs):
-            _sync(device)
-            t = time.perf_counter()
-            out = fn(*args, **kwargs)
-            _sync(device)
-            spent[0] += time.perf_counter() - t
-            return out
-
-        return wrapper
-
-    patch.make_plan, patch._apply_both = timed(originals[0]), timed(originals[1])
-    try:
-        yield
-    finally:
-        patch.make_plan, patch._apply_both = originals
-        sink.append(spent[0])
-
-
 def _stock_paths(enabled: bool):
-    from . import fastpath
-
     return fastpath.stock_kernels() if enabled else contextlib.nullcontext()
 
 
 @torch.no_grad()
 def _prefill_and_decode(model, ids, setting: BenchSetting, decode_tokens: int, device) -> None:
-    from .patch import apply_token_reduction
-
     apply_token_reduction(model, setting.token_reduction)
     with _stock_paths(setting.stock):
         _sync(device)
-        with _timed_reduction(setting.overhead_s, device):
+        with record_reduction(timing=True) as records:  # the reduction's own cost, timed by the loop itself
             t0 = time.perf_counter()
             out = model(ids, use_cache=True, logits_to_keep=1)
             _sync(device)
             setting.prefill_s.append(time.perf_counter() - t0)
+        setting.overhead_s.append(sum(r.plan_seconds + r.apply_seconds for r in records))
         cache, nxt = out.cache, out.logits[:, -1:].argmax(-1)
         if decode_tokens:
             t0 = time.perf_counter()
@@ -95,18 +68,8 @@ def _prefill_and_decode(model, ids, setting: BenchSetting, decode_tokens: int, d
                 cache, nxt = step.cache, step.logits[:, -1:].argmax(-1)
             _sync(device)
             setting.decode_s.append(time.perf_counter() - t0)
-    if getattr(out, "plans", None):
-        setting.extra["layer_lengths"] = _layer_lengths(model.config, out.plans, ids.shape[1])
-
-
-def _layer_lengths(config, plans, length: int) -> list[int]:
-    """Tokens each block processed (longest row), from the plans of one forward."""
-    lengths, n, by_layer = [], length, dict(plans)
-    for layer in range(config.num_hidden_layers):
-        lengths.append(n)
-        if layer in by_layer:
-            n = int(by_layer[layer].keep_mask.sum(1).max())
-    return lengths
+    if records:
+        setting.extra["layer_lengths"] = [max(col) for col in zip(*records[0].layer_lengths)]
 
 
 def _prefill_kwargs(logits: str) -> dict:
@@ -119,8 +82,6 @@ def _memory_probe(spec: str, setting: dict | None, stock: bool, batch: int, leng
                   q) -> None:
     """Child process: peak RSS during one prefill minus the RSS just before it (MiB), via Linux's VmHWM reset."""
     torch.set_num_threads(threads)
-    from .models import load_model
-
     model, _ = load_model(spec, token_reduction=setting)
     ids = torch.randint(2, model.config.vocab_size, (batch, length), generator=torch.Generator().manual_seed(0))
     with torch.no_grad(), _stock_paths(stock):
@@ -141,8 +102,6 @@ def _rss_kib(field: str) -> int:
 
 def _peak_memory_mib(spec, setting: BenchSetting, batch, length, threads, device, logits: str = "last") -> float:
     if device.type == "cuda":
-        from .models import load_model
-
         model, _ = load_model(spec, token_reduction=setting.token_reduction)
         model.to(device)
         ids = torch.randint(2, model.config.vocab_size, (batch, length), device=device)
@@ -167,6 +126,31 @@ def _summary(xs: list[float]) -> dict[str, float] | None:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
 
 
+def _row(s: BenchSetting, dense: float, config, batch: int, length: int, decode_tokens: int) -> dict[str, Any]:
+    med = statistics.median(s.prefill_s)
+    lengths = s.extra.get("layer_lengths", [length] * config.num_hidden_layers)
+    row = {
+        "setting": s.name,
+        "token_reduction": s.token_reduction,
+        "prefill_s": _summary(s.prefill_s),
+        "prefill_tokens_per_s": batch * length / med,
+        "speedup_vs_dense": dense / med,
+        "decode_tokens_per_s": batch * decode_tokens / statistics.median(s.decode_s) if s.decode_s else None,
+        # the yardstick: the reduction's own time as a share of the *dense* forward
+        "reduction_overhead_share": statistics.median(s.overhead_s) / dense if s.token_reduction else 0.0,
+        "reduction_overhead_share_of_own_forward": (statistics.median(s.overhead_s) / med
+                                                    if s.token_reduction else 0.0),
+        "layer_lengths": lengths,
+        "flops_reduction_exact": flops_reduction(config, lengths, length, batch=batch,
+                                                 lm_head_positions=1, dense_lm_head_positions=1),
+        "flops_reduction_proxy": measured_proxy_reduction(lengths, length),
+        "peak_mib": s.extra.get("peak_mib"),
+    }
+    if s.token_reduction:
+        row["ideal_speedup"] = 1 / (1 - s.token_reduction["flops_reduction"])
+    return row
+
+
 def run_bench(
     model_spec: str = "random:mamba-130m",
     batch: int = 1,
@@ -185,11 +169,6 @@ def run_bench(
     memory_logits: str = "last",
 ) -> dict[str, Any]:
     """Run the benchmark and return a JSON-safe result dict (see ``print_table``)."""
-    from tqdm.auto import tqdm
-
-    from .flops import flops_reduction, proxy_flops_reduction
-    from .models import load_model
-
     if threads:
         torch.set_num_threads(threads)
     dev = torch.device(device)
@@ -217,31 +196,7 @@ def run_bench(
                                                    memory_logits)
 
     dense = statistics.median(settings[0].prefill_s)
-    rows = []
-    for s in settings:
-        med = statistics.median(s.prefill_s)
-        lengths = s.extra.get("layer_lengths", [length] * model.config.num_hidden_layers)
-        row = {
-            "setting": s.name,
-            "token_reduction": s.token_reduction,
-            "prefill_s": _summary(s.prefill_s),
-            "prefill_tokens_per_s": batch * length / med,
-            "speedup_vs_dense": dense / med,
-            "decode_tokens_per_s": batch * decode_tokens / statistics.median(s.decode_s) if s.decode_s else None,
-            # the issue's yardstick: the reduction's own time as a share of the *dense* forward
-            "reduction_overhead_share": statistics.median(s.overhead_s) / dense if s.token_reduction else 0.0,
-            "reduction_overhead_share_of_own_forward": (statistics.median(s.overhead_s) / med
-                                                        if s.token_reduction else 0.0),
-            "layer_lengths": lengths,
-            "flops_reduction_exact": flops_reduction(model.config, lengths, length, batch=batch,
-                                                     lm_head_positions=1, dense_lm_head_positions=1),
-            "flops_reduction_proxy": proxy_flops_reduction(lengths, length),
-            "peak_mib": s.extra.get("peak_mib"),
-        }
-        if s.token_reduction:
-            f = s.token_reduction["flops_reduction"]
-            row["ideal_speedup"] = 1 / (1 - f)
-        rows.append(row)
+    rows = [_row(s, dense, model.config, batch, length, decode_tokens) for s in settings]
     if memory and rows[0]["peak_mib"]:
         for row in rows:
             row["peak_memory_saving"] = 1 - row["peak_mib"] / rows[0]["peak_mib"]
@@ -284,64 +239,3 @@ def format_table(result: dict[str, Any]) -> str:
             f"{r['peak_mib']:.0f}" if r.get("peak_mib") is not None else "-",
         ]) + " |")
     return "\n".join(lines)
-
-
-def _cmd(args: argparse.Namespace) -> int:
-    from .cli import UsageError
-
-    try:
-        flops = tuple(float(f) for f in args.flops.split(",")) if args.flops else ()
-    except ValueError:
-        raise UsageError(f"--flops must be comma-separated numbers like 0.1,0.2,0.3, got {args.flops!r}") from None
-    if any(not 0 < f < 1 for f in flops):
-        raise UsageError(f"--flops values must be in (0, 1), got {args.flops}")
-    if args.repeats < 1 or args.batch < 1 or args.length < 2:
-        raise UsageError("--repeats and --batch must be >= 1 and --length >= 2")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise UsageError("--device cuda requested but torch sees no CUDA device")
-    try:
-        check_model_spec(args.model)
-    except ValueError as err:
-        raise UsageError(f"--model {args.model}: {err}") from None
-    result = run_bench(args.model, args.batch, args.length, flops, args.method, args.repeats, args.warmup,
-                       args.decode_tokens, args.threads, args.compare_stock, args.memory, args.device, args.dtype,
-                       memory_logits=args.memory_logits)
-    print(format_table(result))
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=2))
-        print(f"wrote {args.json}")
-    return 0
-
-
-def add_parser(sub) -> None:
-    from .cli import add_model_argument
-    from .config import METHODS
-
-    p = sub.add_parser(
-        "bench", help="measure prefill/decode speed, reduction overhead and peak memory, dense vs reduced",
-        description="Side-by-side speed and memory benchmark. Random-weight models of the real sizes are fine: "
-                    "speed does not depend on the weights. Example: hf-tokred bench --model random:mamba-130m "
-                    "--length 2048 --flops 0.1,0.2,0.3 --compare-stock --json runs/bench.json",
-    )
-    add_model_argument(p, default="random:mamba-130m")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--length", type=int, default=2048, help="prompt length (tokens)")
-    p.add_argument("--flops", default="0.1,0.2,0.3", help="FLOPs-reduction levels to compare with dense")
-    p.add_argument("--method", choices=sorted(METHODS), default="utrc")
-    p.add_argument("--repeats", type=int, default=3, help="timed repeats per setting (interleaved)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed warm-up rounds")
-    p.add_argument("--decode-tokens", type=int, default=16, help="decode steps timed after each prefill")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    p.add_argument("--compare-stock", action="store_true",
-                   help="also time stock transformers' own code paths (dense) in the same run")
-    p.add_argument("--memory", action="store_true",
-                   help="peak memory per setting (CPU, Linux: peak RSS of one prefill above the RSS before it, "
-                        "in a fresh process)")
-    p.add_argument("--memory-logits", choices=["last", "all"], default="last",
-                   help="with --memory: 'last' = next-token logits only (generation prefill, default); 'all' = "
-                        "logits at every computed position (scoring), compact_logits=True for reduced models")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
-    p.add_argument("--json", default=None, help="write the full result here")
-    p.set_defaults(func=_cmd)

@@ -12,6 +12,8 @@ import numbers
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Mapping, Sequence
 
+from .version import __version__
+
 try:  # numpy's bool is not a Python bool but must not pass as a number
     from numpy import bool_ as np_bool
 except ImportError:  # pragma: no cover - numpy comes with torch
@@ -26,6 +28,9 @@ __all__ = [
     "TokenReductionConfig",
     "default_anchors",
     "proxy_flops_reduction",
+    "removal_count",
+    "schedule_fractions",
+    "schedule_proxy_reduction",
     "solve_keep_ratio",
 ]
 
@@ -107,22 +112,43 @@ def default_anchors(num_hidden_layers: int) -> tuple[int, ...]:
     return tuple(sorted({a for a in scaled if a <= num_hidden_layers - 2}))
 
 
-def proxy_flops_reduction(num_hidden_layers: int, anchors: Sequence[int], keep_ratio: float) -> float:
-    """The paper's FLOPs measure: ``1 - mean_l keep_l``, with ``keep_l`` the fraction of tokens block ``l`` processes.
+def proxy_flops_reduction(fractions: Sequence[float]) -> float:
+    """The paper's FLOPs measure: ``1 - mean_l fraction_l``, with ``fraction_l`` the share of the tokens that
+    block ``l`` processes."""
+    return 1.0 - sum(fractions) / len(fractions)
 
-    Block ``l`` processes ``keep_ratio ** (number of anchors before l)`` of the tokens (an anchor block
-    itself still sees its full input).  Exact for long sequences; rounding makes it smaller for short ones.
-    """
+
+def schedule_fractions(num_hidden_layers: int, anchors: Sequence[int], keep_ratio: float) -> list[float]:
+    """Share of the tokens each block processes in the long-sequence limit: ``keep_ratio ** (anchors before l)``
+    (an anchor block itself still sees its full input)."""
     anchors = sorted(anchors)
-    total = sum(keep_ratio ** sum(a < layer for a in anchors) for layer in range(num_hidden_layers))
-    return 1.0 - total / num_hidden_layers
+    return [keep_ratio ** sum(a < layer for a in anchors) for layer in range(num_hidden_layers)]
+
+
+def schedule_proxy_reduction(num_hidden_layers: int, anchors: Sequence[int], keep_ratio: float) -> float:
+    """:func:`proxy_flops_reduction` of a schedule in the long-sequence limit (rounding makes short sequences
+    reduce less)."""
+    return proxy_flops_reduction(schedule_fractions(num_hidden_layers, anchors, keep_ratio))
+
+
+def removal_count(n: int, keep_ratio: float, pairs: bool) -> int:
+    """Tokens an anchor removes from a row of ``n`` real tokens: ``n - ceil(n * keep_ratio)`` (a non-empty row
+    keeps at least one), capped at ``n // 2`` when every removed token is paired with a kept one.  The ``1e-9``
+    absorbs float noise in ``n * keep_ratio`` (``100 * 0.55`` is ``55.00000000000001``)."""
+    keep = math.ceil(n * keep_ratio - 1e-9)
+    if n > 0:
+        keep = max(keep, 1)
+    r = n - keep
+    if pairs:
+        r = min(r, n // 2)
+    return max(r, 0)
 
 
 def solve_keep_ratio(num_hidden_layers: int, anchors: Sequence[int], flops_reduction: float, min_keep: float) -> float:
     """Per-anchor keep ratio in ``[min_keep, 1]`` whose proxy FLOPs reduction equals ``flops_reduction``."""
     if flops_reduction == 0.0:
         return 1.0
-    reachable = proxy_flops_reduction(num_hidden_layers, anchors, min_keep)
+    reachable = schedule_proxy_reduction(num_hidden_layers, anchors, min_keep)
     if flops_reduction > reachable + 1e-12:
         raise ValueError(
             f"flops_reduction={flops_reduction} is not reachable for a {num_hidden_layers}-layer model with anchors "
@@ -132,7 +158,7 @@ def solve_keep_ratio(num_hidden_layers: int, anchors: Sequence[int], flops_reduc
     lo, hi = min_keep, 1.0  # proxy reduction decreases monotonically as the keep ratio grows
     for _ in range(100):
         mid = 0.5 * (lo + hi)
-        if proxy_flops_reduction(num_hidden_layers, anchors, mid) > flops_reduction:
+        if schedule_proxy_reduction(num_hidden_layers, anchors, mid) > flops_reduction:
             lo = mid
         else:
             hi = mid
@@ -147,6 +173,16 @@ class ResolvedSchedule:
     anchors: tuple[int, ...]
     keep_ratio: float
     flops_reduction: float  # the paper's proxy (1 - mean fraction of tokens per layer), long-sequence limit
+    pairs: bool = True  # the method pairs removed tokens with kept ones (an anchor removes at most half)
+
+    def layer_lengths(self, length: int) -> list[int]:
+        """Tokens each block processes for one sequence of ``length`` tokens (nothing protected)."""
+        lengths, n = [], length
+        for layer in range(self.num_hidden_layers):
+            lengths.append(n)
+            if layer in self.anchors:
+                n -= removal_count(n, self.keep_ratio, self.pairs)
+        return lengths
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "anchors": list(self.anchors)}
@@ -316,29 +352,34 @@ class TokenReductionConfig:
             keep = self.keep_ratio
         else:
             keep = solve_keep_ratio(num_hidden_layers, anchors, self.flops_reduction, max(self.min_keep_ratio, 1e-6))
-        return ResolvedSchedule(
-            num_hidden_layers, tuple(anchors), keep, proxy_flops_reduction(num_hidden_layers, anchors, keep)
-        )
+        return ResolvedSchedule(num_hidden_layers, tuple(anchors), keep,
+                                schedule_proxy_reduction(num_hidden_layers, anchors, keep), self.spec.pairs)
 
     # ------------------------------------------------------------------ (de)serialisation
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-safe dict with every field (this is what ``config.json`` stores)."""
+        """A JSON-safe dict with every field and the hf_tokred version that wrote it (what ``config.json``
+        stores)."""
         d = asdict(self)
         d["anchors"] = list(self.anchors) if self.anchors is not None else None
+        d["version"] = __version__
         return d
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "TokenReductionConfig":
         if not isinstance(data, Mapping):
             raise TypeError(f"token_reduction settings must be a dict or TokenReductionConfig, got {type(data).__name__}")
+        data = dict(data)
+        written_by = data.pop("version", None)
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
+            origin = (f" (these settings were written by hf_tokred {written_by}; this is hf_tokred {__version__}: "
+                      "upgrade hf-tokred to read them)" if written_by not in (None, __version__) else "")
             raise ValueError(
-                f"unknown token_reduction field(s) {unknown}; allowed fields: {', '.join(sorted(known))}"
+                f"unknown token_reduction field(s) {unknown}; allowed fields: {', '.join(sorted(known))}{origin}"
             )
-        return cls(**dict(data))
+        return cls(**data)
 
     @classmethod
     def coerce(cls, value: "TokenReductionConfig | Mapping[str, Any]") -> "TokenReductionConfig":

@@ -4,17 +4,17 @@ transformers' fallback for the Mamba-1 selective scan steps through time in Pyth
 module-level ``mamba_selective_scan`` (looked up as a global at call time by ``MambaMixer.forward``)
 to a dispatcher:
 
-* CPU tensors: the compiled scan of :mod:`hf_tokred.cpu_kernel` when it can be built, else
-  :func:`hf_tokred.scan.selective_scan` (chunked torch; both equal the stock loop in fp32 — in bf16/fp16 they
+* CPU tensors: the compiled scan of :mod:`hf_tokred.ops.cpu` when it can be built, else
+  :func:`hf_tokred.ops.scan.selective_scan` (chunked torch; both equal the stock loop in fp32 — in bf16/fp16 they
   accumulate in fp32, so they are more accurate than the stock loop and differ slightly).  When a gradient is
   needed, the compiled forward is wrapped so that ``backward()`` re-runs the torch scan on the saved inputs and
   differentiates it (a plain ``model(ids)`` is as fast as one under ``torch.no_grad()``);
 * CUDA tensors with ``mamba_ssm`` installed: transformers' own choice (mamba-ssm's CUDA kernel);
-* CUDA tensors without it: our Triton scan (:func:`hf_tokred.kernels.selective_scan_varlen`), never the
+* CUDA tensors without it: our Triton scan (:func:`hf_tokred.ops.selective_scan_varlen`), never the
   Python loop.
 
 The Mamba-1 depthwise convolution (``causal_conv1d_fn``) is rebound the same way: on CPU the fused compiled
-convolution + silu of :mod:`hf_tokred.cpu_kernel` (backward through transformers' own), else transformers' own.
+convolution + silu of :mod:`hf_tokred.ops.cpu` (backward through transformers' own), else transformers' own.
 
 Dense and reduced runs use the same path; the path taken is logged once (logger ``hf_tokred``).
 Mamba-2 keeps transformers' chunked SSD code (mamba-ssm's Triton kernels when installed).
@@ -29,10 +29,11 @@ import logging
 import torch
 from transformers.models.mamba import modeling_mamba
 
-from . import cpu_kernel
-from .scan import selective_scan
+from .ops import cpu as cpu_kernel
+from .ops import pack_padded, selective_scan_varlen, unpack_padded
+from .ops.scan import selective_scan
 
-__all__ = ["causal_conv1d_fn", "install", "mamba_selective_scan", "stock_kernels"]
+__all__ = ["CUDA_ADVICE_FILTER", "REPLACEMENTS", "causal_conv1d_fn", "mamba_selective_scan", "stock_kernels"]
 
 logger = logging.getLogger("hf_tokred")
 _STOCK = {"mamba_selective_scan": modeling_mamba.mamba_selective_scan,
@@ -53,8 +54,6 @@ def _mamba_ssm_installed() -> bool:
 def _triton_scan(hidden_states, dt, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
                  return_last_state=False, **_flags):
     """transformers' ``[batch, d_inner, L]`` layout through the packed Triton kernel (every row full length)."""
-    from .kernels import pack_padded, selective_scan_varlen, unpack_padded
-
     mask = torch.ones(hidden_states.shape[0], hidden_states.shape[-1], dtype=torch.bool, device=hidden_states.device)
     pack = lambda x: None if x is None else pack_padded(x, mask)[0]  # noqa: E731
     u, cu = pack_padded(hidden_states, mask)
@@ -146,14 +145,10 @@ class _NoCudaAdviceOnCpu(logging.Filter):
             or torch.cuda.is_available()
 
 
-_FILTER = _NoCudaAdviceOnCpu()
-_HUB_KERNELS_LOGGER = "transformers.integrations.hub_kernels"
-
-
-def install() -> None:
-    modeling_mamba.mamba_selective_scan = mamba_selective_scan
-    modeling_mamba.causal_conv1d_fn = causal_conv1d_fn
-    logging.getLogger(_HUB_KERNELS_LOGGER).addFilter(_FILTER)
+CUDA_ADVICE_FILTER = _NoCudaAdviceOnCpu()
+HUB_KERNELS_LOGGER = "transformers.integrations.hub_kernels"
+#: the module-level functions of ``modeling_mamba`` this module replaces (``install()`` applies and records them)
+REPLACEMENTS = {"mamba_selective_scan": mamba_selective_scan, "causal_conv1d_fn": causal_conv1d_fn}
 
 
 @contextlib.contextmanager

@@ -48,11 +48,12 @@ i.e. what ``FlopCounterMode`` counts for the stock eager forward.
 
 from __future__ import annotations
 
-import math
 import operator
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
 from typing import Any
+
+from .config import proxy_flops_reduction
+from .families import FAMILIES, FlopsBreakdown, family_of
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
@@ -60,57 +61,14 @@ __all__ = [
     "layer_flops",
     "model_flops",
     "flops_reduction",
-    "proxy_flops_reduction",
+    "measured_proxy_reduction",
 ]
 
-SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("mamba", "mamba2")
-
-
-@dataclass(frozen=True)
-class FlopsBreakdown:
-    """FLOPs of a forward pass, split by component (multiply-add = 2 FLOPs, whole batch).
-
-    ``elementwise`` is not a separate component: it is the part of the other five fields
-    (bias adds, residual adds, scan arithmetic, norms) that is not a matmul/conv kernel.
-    """
-
-    projections: int
-    conv: int
-    scan: int
-    norm: int
-    lm_head: int
-    elementwise: int = 0
-
-    @property
-    def total(self) -> int:
-        """All counted FLOPs."""
-        return self.projections + self.conv + self.scan + self.norm + self.lm_head
-
-    @property
-    def matmul(self) -> int:
-        """Linear + (b)mm/einsum + conv FLOPs: what ``torch.utils.flop_counter.FlopCounterMode`` sees."""
-        return self.total - self.elementwise
-
-    def __add__(self, other: FlopsBreakdown) -> FlopsBreakdown:
-        if not isinstance(other, FlopsBreakdown):
-            return NotImplemented
-        return FlopsBreakdown(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
-
-
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(FAMILIES)
 _ZERO = FlopsBreakdown(0, 0, 0, 0, 0, 0)
 
 
 # --------------------------------------------------------------------------- validation
-
-
-def _model_type(config: Any) -> str:
-    model_type = getattr(config, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
-            f"config.model_type={model_type!r} is not supported; supported model_type values: "
-            f"{', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
-    return model_type
 
 
 def _int(value: Any, name: str, minimum: int) -> int:
@@ -146,89 +104,6 @@ def _lm_head_positions(value: int | None, last_length: int, name: str) -> int:
     return value
 
 
-# --------------------------------------------------------------------------- per-block counts
-
-
-def _mamba1_layer(config: Any, L: int, B: int) -> FlopsBreakdown:
-    d = config.hidden_size
-    D = config.intermediate_size
-    N = config.state_size
-    R = int(config.time_step_rank)
-    K = config.conv_kernel
-    tokens = B * L
-
-    proj_mm = 2 * tokens * (d * 2 * D + D * (R + 2 * N) + R * D + D * d)
-    proj_ew = tokens * D + tokens * d  # dt_proj bias (added inside the scan in HF), residual add
-    if config.use_bias:
-        proj_ew += tokens * (2 * D + d)
-
-    conv_positions = B * (L + K - 1)
-    conv_mm = 2 * conv_positions * D * K
-    conv_ew = conv_positions * D if config.use_conv_bias else 0
-
-    scan_mm = 2 * tokens * D * N  # C . h, a batched matmul in HF
-    scan_ew = 7 * tokens * D * N + 2 * tokens * D + tokens * D  # rest of 9BLDN, D skip, gate
-
-    norm = 4 * tokens * d
-    return FlopsBreakdown(
-        projections=proj_mm + proj_ew,
-        conv=conv_mm + conv_ew,
-        scan=scan_mm + scan_ew,
-        norm=norm,
-        lm_head=0,
-        elementwise=proj_ew + conv_ew + scan_ew + norm,
-    )
-
-
-def _mamba2_layer(config: Any, L: int, B: int) -> FlopsBreakdown:
-    d = config.hidden_size
-    D = int(config.expand * d)
-    H = config.num_heads
-    P = config.head_dim
-    G = config.n_groups
-    N = config.state_size
-    K = config.conv_kernel
-    Q = config.chunk_size
-    conv_dim = D + 2 * G * N
-    tokens = B * L
-
-    in_out = D + conv_dim + H
-    proj_mm = 2 * tokens * (d * in_out + D * d)
-    proj_ew = tokens * d  # residual add
-    if config.use_bias:
-        proj_ew += tokens * (in_out + d)
-
-    conv_positions = B * (L + K - 1)
-    conv_mm = 2 * conv_positions * conv_dim * K
-    conv_ew = conv_positions * conv_dim if config.use_conv_bias else 0
-
-    nc = math.ceil(L / Q)
-    Lp = nc * Q
-    scan_mm = 2 * B * H * (Lp * Q * N + Lp * Q * P + Lp * P * N + (nc + 1) ** 2 * P * N + Lp * N * P)
-    scan_ew = B * (
-        2 * L * H  # dt + dt_bias, A * dt
-        + L * D  # x * dt
-        + 4 * Lp * D  # D * x, + D_residual, Y_off decay scaling, Y_diag + Y_off
-        + 2 * H * Lp  # cumsum(A), decay_states subtraction
-        + 2 * H * Lp * Q  # intra-chunk segment-sum cumsum, G * L
-        + H * Lp * N  # B * decay_states
-        + H * (nc + 1) ** 2  # inter-chunk segment-sum cumsum
-    )
-
-    norm = 4 * tokens * d + 5 * tokens * D  # block RMSNorm, gated RMSNorm
-    return FlopsBreakdown(
-        projections=proj_mm + proj_ew,
-        conv=conv_mm + conv_ew,
-        scan=scan_mm + scan_ew,
-        norm=norm,
-        lm_head=0,
-        elementwise=proj_ew + conv_ew + scan_ew + norm,
-    )
-
-
-_LAYER_FNS = {"mamba": _mamba1_layer, "mamba2": _mamba2_layer}
-
-
 # --------------------------------------------------------------------------- public API
 
 
@@ -238,10 +113,10 @@ def layer_flops(config: Any, seq_len: int, batch: int = 1) -> FlopsBreakdown:
     ``config`` is a ``MambaConfig`` or ``Mamba2Config`` (detected by ``config.model_type``).
     ``lm_head`` is 0 here.  See the module docstring for the counting conventions.
     """
-    model_type = _model_type(config)
+    family = family_of(config)
     seq_len = _int(seq_len, "seq_len", 1)
     batch = _int(batch, "batch", 1)
-    return _LAYER_FNS[model_type](config, seq_len, batch)
+    return family.layer_flops(config, seq_len, batch)
 
 
 def model_flops(
@@ -256,14 +131,14 @@ def model_flops(
     ``layer_lengths[-1]`` tokens; the LM head on ``lm_head_positions`` of them (default: all,
     ``0`` excludes the head, e.g. ``1`` for ``logits_to_keep=1``).
     """
-    model_type = _model_type(config)
+    family = family_of(config)
     lengths = _lengths(config, layer_lengths)
     batch = _int(batch, "batch", 1)
     positions = _lm_head_positions(lm_head_positions, lengths[-1], "lm_head_positions")
 
     total = _ZERO
     for length in lengths:
-        total = total + _LAYER_FNS[model_type](config, length, batch)
+        total = total + family.layer_flops(config, length, batch)
     d = config.hidden_size
     norm_f = 4 * batch * lengths[-1] * d
     head = 2 * batch * positions * d * config.vocab_size
@@ -290,11 +165,11 @@ def flops_reduction(
     return 1.0 - reduced.total / dense.total
 
 
-def proxy_flops_reduction(layer_lengths: Sequence[int], dense_length: int) -> float:
-    """The reference code's proxy: ``1 - mean_l(layer_lengths[l] / dense_length)``.
+def measured_proxy_reduction(layer_lengths: Sequence[int], dense_length: int) -> float:
+    """The reference code's proxy on real lengths: ``1 - mean_l(layer_lengths[l] / dense_length)``.
 
     It treats every block as linear in its length and ignores the LM head and chunk padding.
     """
     lengths = _lengths(None, layer_lengths)
     dense_length = _int(dense_length, "dense_length", 1)
-    return 1.0 - sum(lengths) / (len(lengths) * dense_length)
+    return proxy_flops_reduction([n / dense_length for n in lengths])

@@ -11,36 +11,25 @@ Model specs understood everywhere a command takes ``--model``:
 
 from __future__ import annotations
 
+import hashlib
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import (
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    Mamba2Config,
-    Mamba2ForCausalLM,
-    MambaConfig,
-    MambaForCausalLM,
-    PreTrainedTokenizerFast,
-)
+import transformers
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
-__all__ = ["BUNDLED", "KEEP", "RANDOM_SHAPES", "bundled_path", "check_model_spec", "load_bundled", "load_model",
-           "random_config", "weights_fingerprint"]
+from .families import FAMILIES
+from .settings import UNSET, apply_token_reduction
+
+__all__ = ["BUNDLED", "KEEP", "bundled_path", "check_model_spec", "load_bundled", "load_model", "random_config",
+           "weights_fingerprint"]
 
 #: ``load_model(..., token_reduction=KEEP)``: keep the settings saved in the checkpoint (if any).
-KEEP: Any = object()
+KEEP: Any = UNSET
 
 BUNDLED = ("mamba", "mamba2")
-
-# (hidden_size, num_hidden_layers) of the public checkpoints; vocab 50280 (GPT-NeoX-20B, padded for Mamba-2).
-RANDOM_SHAPES: dict[str, dict[str, tuple[int, int]]] = {
-    "mamba": {"tiny": (64, 12), "130m": (768, 24), "370m": (1024, 48), "790m": (1536, 48), "1.4b": (2048, 48),
-              "2.8b": (2560, 64)},
-    "mamba2": {"tiny": (64, 12), "130m": (768, 24), "370m": (1024, 48), "780m": (1536, 48), "1.3b": (2048, 48),
-               "2.7b": (2560, 64)},
-}
 
 
 def bundled_path(family: str) -> Path:
@@ -66,28 +55,25 @@ def load_bundled(family: str = "mamba", token_reduction: Any = None, **kwargs):
     """
     path = bundled_path(family)
     kwargs.setdefault("dtype", torch.float32)
-    cls = MambaForCausalLM if family == "mamba" else Mamba2ForCausalLM
-    model = cls.from_pretrained(path, **_reduction_kwargs(token_reduction), **kwargs).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, **_reduction_kwargs(token_reduction), **kwargs).eval()
     return model, AutoTokenizer.from_pretrained(path)
 
 
+def _random_names() -> str:
+    return ", ".join(f"random:{f}-{s}" for f, fam in FAMILIES.items() for s in fam.sizes)
+
+
 def random_config(name: str):
-    """Config for ``<family>-<size>``, e.g. ``mamba-130m`` or ``mamba2-2.7b``."""
-    family, _, size = name.partition("-")
-    shapes = RANDOM_SHAPES.get(family, {})
-    if size not in shapes:
-        known = ", ".join(f"random:{f}-{s}" for f in RANDOM_SHAPES for s in RANDOM_SHAPES[f])
-        raise ValueError(f"unknown random model {name!r}; known: {known}")
-    hidden, layers = shapes[size]
-    vocab = 512 if size == "tiny" else 50280
-    if family == "mamba":
-        return MambaConfig(vocab_size=vocab, hidden_size=hidden, state_size=16, num_hidden_layers=layers,
-                           pad_token_id=1, eos_token_id=0, bos_token_id=0)
-    head_dim = 16 if size == "tiny" else 64
-    return Mamba2Config(vocab_size=vocab, hidden_size=hidden, state_size=16 if size == "tiny" else 128,
-                        num_hidden_layers=layers, expand=2, head_dim=head_dim, num_heads=2 * hidden // head_dim,
-                        n_groups=1, chunk_size=32 if size == "tiny" else 256, pad_token_id=1, eos_token_id=0,
-                        bos_token_id=0)
+    """Config for ``<family>-<size>``, e.g. ``mamba-130m`` or ``mamba2-2.7b`` (shapes from the families table)."""
+    model_type, _, size = name.partition("-")
+    family = FAMILIES.get(model_type)
+    if family is None or size not in family.sizes:
+        raise ValueError(f"unknown random model {name!r}; known: {_random_names()}")
+    hidden, layers = family.sizes[size]
+    tiny = size == "tiny"
+    return AutoConfig.for_model(model_type, vocab_size=512 if tiny else 50280, hidden_size=hidden,
+                                num_hidden_layers=layers, pad_token_id=1, eos_token_id=0, bos_token_id=0,
+                                **family.random_kwargs(hidden, tiny))
 
 
 def byte_tokenizer() -> PreTrainedTokenizerFast:
@@ -106,8 +92,6 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
 def weights_fingerprint(model: torch.nn.Module, samples: int = 1024) -> str:
     """A short identifier of a model's weights: sha256 over every parameter's name, shape and ``samples`` evenly
     spaced values rounded to fp16 (so one checkpoint loaded in fp16 or fp32 gives the same fingerprint)."""
-    import hashlib
-
     digest = hashlib.sha256()
     with torch.no_grad():
         for name, p in sorted(model.state_dict().items()):
@@ -140,15 +124,11 @@ def load_model(spec: str, token_reduction: Any = KEEP, dtype: torch.dtype | None
     if name in BUNDLED:
         return load_bundled(name, **_reduction_kwargs(token_reduction), **({"dtype": dtype} if dtype else {}), **kwargs)
     if spec.startswith("random:"):
-        from .patch import apply_token_reduction
-
         if kwargs:
             raise ValueError(f"random: models are built in memory and take no loading options; got {sorted(kwargs)}")
-
         config = random_config(spec.removeprefix("random:"))
         torch.manual_seed(seed)
-        cls = MambaForCausalLM if config.model_type == "mamba" else Mamba2ForCausalLM
-        model = cls(config).eval()
+        model = getattr(transformers, FAMILIES[config.model_type].lm_class)(config).eval()
         if dtype is not None:
             model = model.to(dtype)
         if token_reduction is not KEEP:

@@ -22,7 +22,9 @@ import math
 from dataclasses import dataclass, replace
 
 import torch
-import torch.nn.functional as F
+
+from .config import removal_count
+from .ops import cpu as cpu_ops
 
 __all__ = [
     "Plan",
@@ -32,6 +34,7 @@ __all__ = [
     "extend_plan",
     "importance",
     "make_plan",
+    "merge_weights",
     "num_to_remove",
     "select",
 ]
@@ -93,20 +96,13 @@ def _cpu_grid_argmax(x: torch.Tensor):
     """The compiled row-wise scale/round/arg-max for fp32 CPU tensors without gradients, else ``None``."""
     if x.device.type != "cpu" or x.dtype != torch.float32 or (torch.is_grad_enabled() and x.requires_grad):
         return None
-    from . import cpu_kernel
-
-    return cpu_kernel.grid_argmax if cpu_kernel.available() else None
+    return cpu_ops.grid_argmax if cpu_ops.available() else None
 
 
 def num_to_remove(n_real: torch.Tensor, keep_ratio: float, pairs: bool) -> torch.Tensor:
-    """Tokens to remove per row: ``n - ceil(n * keep_ratio)``, capped at ``n // 2`` when tokens are paired."""
-    n = n_real.double()
-    keep = torch.ceil(n * keep_ratio - 1e-9)
-    keep = torch.where(n > 0, keep.clamp_min(1), keep)  # a non-empty row keeps at least one token
-    r = n - keep
-    if pairs:
-        r = torch.minimum(r, torch.div(n_real, 2, rounding_mode="floor").double())
-    return r.clamp_min(0).long()
+    """Tokens to remove per row (:func:`hf_tokred.config.removal_count` of each row's real length)."""
+    counts = [removal_count(n, keep_ratio, pairs) for n in n_real.tolist()]
+    return torch.tensor(counts, dtype=torch.long, device=n_real.device)
 
 
 @dataclass
@@ -187,7 +183,6 @@ def _select_reference(h, protected, r, metric) -> Selection:
 
 def _select_bipartite(h, protected, r, metric) -> Selection:
     """ToMe / PuMer: even tokens matched to odd tokens by cosine; the most similar pairs merge."""
-    n = h.shape[1]
     feat = _features(h, metric)
     best, match = _best_cosine(feat[:, 0::2], feat[:, 1::2])
     best = best.masked_fill(protected[:, 0::2], -math.inf)
@@ -306,8 +301,9 @@ def extend_plan(plan: Plan, prefix: int, length: int) -> Plan:
                    keep_mask=torch.cat([plan.keep_mask, torch.ones_like(tail, dtype=torch.bool)], 1))
 
 
-def _merge_weights(plan: Plan, strategy: str, q: float, x_src: torch.Tensor) -> torch.Tensor | None:
-    """Per-source merge weights (1 = merge, 0 = prune), ``[B, R, 1]`` or per channel ``[B, R, D]``."""
+def merge_weights(plan: Plan, strategy: str, q: float, x_src: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Per-source merge weights (1 = merge, 0 = prune): ``[B, R, 1]``, or per channel ``[B, R, D]`` for
+    ``hybrid_channel`` (which ranks the gathered source values ``x_src [B, R, D]``); ``None`` for ``prune``."""
     valid = plan.src_mask
     if strategy == "prune":
         return None
@@ -331,65 +327,50 @@ def _merge_weights(plan: Plan, strategy: str, q: float, x_src: torch.Tensor) -> 
     return w[..., None].float()
 
 
-def apply_plan(x: torch.Tensor, plan: Plan, strategy: str, q: float = 0.5) -> torch.Tensor:
-    """Reduce ``x [B, N, D]`` to ``[B, M, D]`` following ``plan``.
+def apply_plan_pair(a: torch.Tensor, b: torch.Tensor | None, plan: Plan, strategy_a: str,
+                    strategy_b: str | None = None, q: float = 0.5) -> torch.Tensor:
+    """``apply_plan(a, plan, strategy_a, q) + apply_plan(b, plan, strategy_b, q)`` (``b`` may be ``None``).
 
-    Merging is the size-weighted mean with sizes reset at every anchor:
-    ``dst <- (dst + sum_i w_i * src_i) / (1 + sum_i w_i)`` over the sources mapped to ``dst``,
-    computed in fp32 and cast back to ``x.dtype``.
+    The one torch implementation of applying a plan.  The kept rows (of ``a + b``) are gathered once; only the
+    rows that receive merges are recomputed, branch by branch: ``dst <- (dst + sum_i w_i src_i) / (1 + sum_i
+    w_i)`` over the sources mapped to ``dst`` (the size-weighted mean with sizes reset at every anchor), in
+    fp32, cast back to the branch's dtype before the branches are added.  Padding slots are zero.
     """
-    out = _take(x, plan.keep)
-    x_src = _take(x, plan.src)
-    w = _merge_weights(plan, strategy, q, x_src) if plan.src.shape[1] else None
-    if w is not None:
-        slot = plan.dst_slot[..., None]
-        acc = out.float() if out.dtype != torch.float32 else out
-        acc.scatter_add_(1, slot.expand(-1, -1, x.shape[-1]), x_src.float() * w)
-        den = torch.ones(*out.shape[:2], w.shape[-1], device=x.device)
-        den.scatter_add_(1, slot.expand(-1, -1, w.shape[-1]), w)
-        out = acc.div_(den).to(x.dtype)
-    if not bool(plan.keep_mask.all()):
-        out = out.masked_fill(~plan.keep_mask[..., None], 0)
-    return out
-
-
-def apply_plan_pair(a: torch.Tensor, b: torch.Tensor, plan: Plan, strategy_a: str, strategy_b: str,
-                    q: float = 0.5) -> torch.Tensor:
-    """``apply_plan(a, plan, strategy_a, q) + apply_plan(b, plan, strategy_b, q)`` with fewer passes over the data.
-
-    The kept rows of ``a + b`` are gathered once; only the rows that receive merges are recomputed, branch by
-    branch, with the same arithmetic (and accumulation order) as :func:`apply_plan`.  Used on CPU for the two
-    branches of an anchor block (CUDA has the fused Triton kernel).
-    """
-    if plan.src.shape[1] == 0 or "hybrid_channel" in (strategy_a, strategy_b):
-        return apply_plan(a, plan, strategy_a, q) + apply_plan(b, plan, strategy_b, q)
-    weights = [_merge_weights(plan, st, q, None) for st in (strategy_a, strategy_b)]
-    out = _take(a + b, plan.keep)
-    merged = torch.zeros_like(plan.src_mask)
-    for w in weights:
-        if w is not None:
-            merged |= w[..., 0] > 0
-    if bool(merged.any()):
-        M, N = plan.keep.shape[1], a.shape[1]
-        dst = _flat(plan.dst_slot, M)[merged]  # output row of each merged source's destination
-        rows = torch.unique(dst)  # the rows that change
-        slot_of_src = torch.searchsorted(rows, dst)
-        tokens = _flat(plan.keep, N).reshape(-1)[rows]  # their input rows
-        sources = _flat(plan.src, N)[merged]
-        new = None
-        for x, w in zip((a, b), weights):
-            flat_x = x.reshape(-1, x.shape[-1])
-            val = flat_x.index_select(0, tokens)
+    branches = [(a, strategy_a)] + ([] if b is None else [(b, strategy_b)])
+    out = _take(a if b is None else a + b, plan.keep)
+    if plan.src.shape[1]:
+        weights = [merge_weights(plan, st, q, _take(x, plan.src) if st == "hybrid_channel" else None)
+                   for x, st in branches]
+        merged = torch.zeros_like(plan.src_mask)
+        for w in weights:
             if w is not None:
-                acc = val.float()
-                acc.index_add_(0, slot_of_src, flat_x.index_select(0, sources).float() * w[merged])
-                den = torch.ones(len(rows), 1, device=a.device).index_add_(0, slot_of_src, w[merged])
-                val = acc.div_(den).to(x.dtype)
-            new = val if new is None else new + val
-        out.view(-1, out.shape[-1])[rows] = new.to(out.dtype)
+                merged |= (w > 0).any(-1)
+        if bool(merged.any()):
+            M, N = plan.keep.shape[1], a.shape[1]
+            dst = _flat(plan.dst_slot, M)[merged]  # output row of each merged source's destination
+            rows = torch.unique(dst)  # the rows that change
+            slot_of_src = torch.searchsorted(rows, dst)
+            tokens = _flat(plan.keep, N).reshape(-1)[rows]  # their input rows
+            sources = _flat(plan.src, N)[merged]
+            new = None
+            for (x, _), w in zip(branches, weights):
+                flat_x = x.reshape(-1, x.shape[-1])
+                val = flat_x.index_select(0, tokens)
+                if w is not None:
+                    acc = val.float()
+                    acc.index_add_(0, slot_of_src, flat_x.index_select(0, sources).float() * w[merged])
+                    den = torch.ones(len(rows), w.shape[-1], device=a.device).index_add_(0, slot_of_src, w[merged])
+                    val = acc.div_(den).to(x.dtype)
+                new = val if new is None else new + val
+            out.view(-1, out.shape[-1])[rows] = new.to(out.dtype)
     if not bool(plan.keep_mask.all()):
         out = out.masked_fill(~plan.keep_mask[..., None], 0)
     return out
+
+
+def apply_plan(x: torch.Tensor, plan: Plan, strategy: str, q: float = 0.5) -> torch.Tensor:
+    """Reduce ``x [B, N, D]`` to ``[B, M, D]`` following ``plan`` (see :func:`apply_plan_pair`)."""
+    return apply_plan_pair(x, None, plan, strategy, None, q)
 
 
 def reduce_along(t: torch.Tensor, plan: Plan, fill) -> torch.Tensor:

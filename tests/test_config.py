@@ -5,8 +5,8 @@ import math
 import pytest
 
 from hf_tokred import TokenReductionConfig, default_anchors
-from hf_tokred.config import proxy_flops_reduction
-from hf_tokred.patch import UnsupportedTransformersVersion, check_transformers_version
+from hf_tokred.config import schedule_proxy_reduction as proxy_flops_reduction
+from hf_tokred.compat import UnsupportedTransformersVersion, check_transformers_version
 
 # method.md b.4: per-anchor keep ratios for 10/20/30 % FLOPs reduction.
 PAPER = {

@@ -7,9 +7,7 @@ Needs lm-eval 0.4.13 and matplotlib (``pip install -e '.[eval]'``).  The offline
 
 from __future__ import annotations
 
-import argparse
 import hashlib
-import importlib
 import json
 import math
 import subprocess
@@ -21,26 +19,15 @@ import torch.nn.functional as F
 import hf_tokred.cli as core_cli
 from hf_tokred import TokenReductionConfig
 from hf_tokred.evaluation import data as ev_data
-from hf_tokred.evaluation.harness import (
-    FlopsMeter,
-    UncomputedPositionError,
-    lm_class,
-    paper_row,
-    row_layer_lengths,
-)
+from hf_tokred.evaluation.lm import ReducingHFLM, UncomputedPositionError
+from hf_tokred.evaluation.meter import FlopsMeter, row_layer_lengths
+from hf_tokred.evaluation.results import paper_row
 from hf_tokred.flops import flops_reduction
 from hf_tokred.models import load_model
 
-EVAL_MODULE = "hf_tokred.evaluation.cli"
-
-
 def run_cli(argv: list[str]) -> int:
-    """``hf-tokred ARGV`` with the evaluation subcommands registered (whether or not the core lists them)."""
-    parser = argparse.ArgumentParser(prog="hf-tokred")
-    sub = parser.add_subparsers(dest="command", required=True)
-    for name in dict.fromkeys((*core_cli.SUBCOMMAND_MODULES, EVAL_MODULE)):
-        importlib.import_module(name).add_parser(sub)
-    args = parser.parse_args(argv)
+    """``hf-tokred ARGV`` in this process (errors as one line, exit code 2)."""
+    args = core_cli.build_parser().parse_args(argv)
     try:
         return args.func(args)
     except core_cli.UsageError as err:
@@ -80,7 +67,7 @@ def test_loglikelihood_is_position_correct(family, method):
         (("g", "i"), shared, [ab[1]]),
         (("j", "k"), shared[:-1], [shared[-1], ab[0]]),  # same input tokens, longer continuation, same group
     ]
-    lm = lm_class()(model, tok, batch_size=3)
+    lm = ReducingHFLM(model, tok, batch_size=3)
     got = lm._loglikelihood_tokens(requests, disable_tqdm=True)
     assert len(got) == len(requests)
     assert lm.scoring["computed_tokens"] < lm.scoring["real_tokens"]  # the model really reduced
@@ -111,7 +98,7 @@ def test_unprotected_scoring_is_detected(monkeypatch):
     original = model.forward
     monkeypatch.setattr(model, "forward", lambda **kw: original(**{k: v for k, v in kw.items() if k != "protected_mask"}))
     g = torch.Generator().manual_seed(1)
-    lm = lm_class()(model, tok, batch_size=2)
+    lm = ReducingHFLM(model, tok, batch_size=2)
     with pytest.raises(UncomputedPositionError, match="not computed"):
         lm._loglikelihood_tokens([(("a", "b"), _ids(g, 40), _ids(g, 12))], disable_tqdm=True)
 
@@ -281,7 +268,7 @@ def test_dense_scoring_matches_stock_model():
     model, tok = _tiny(None)
     g = torch.Generator().manual_seed(3)
     reqs = [(("a", "b"), _ids(g, 12), _ids(g, 4)), (("c", "d"), _ids(g, 7), _ids(g, 2))]
-    got = lm_class()(model, tok, batch_size=2)._loglikelihood_tokens(reqs, disable_tqdm=True)
+    got = ReducingHFLM(model, tok, batch_size=2)._loglikelihood_tokens(reqs, disable_tqdm=True)
     for (_, ctx, cont), (ll, _) in zip(reqs, got):
         inp = ctx + cont[:-1]
         with torch.no_grad():
@@ -345,7 +332,7 @@ def test_data_parallel_padding_is_not_run():
     from types import SimpleNamespace
 
     model, tok = _tiny(None)
-    lm = lm_class()(model, tok, batch_size=2)
+    lm = ReducingHFLM(model, tok, batch_size=2)
     a, b = SimpleNamespace(repeats=1), SimpleNamespace(repeats=1)
     seen = []
 

@@ -54,7 +54,7 @@ def test_cuda_without_mamba_ssm_routes_to_the_triton_scan(monkeypatch):
 
 def test_compiled_cpu_scan_equals_stock_loop():
     """The compiled CPU kernel (built on first use) against transformers' loop, with every option."""
-    from hf_tokred import cpu_kernel
+    from hf_tokred.ops import cpu as cpu_kernel
 
     assert cpu_kernel.available(), "the C++ scan must build on this machine (gcc + ninja are installed by CI)"
     torch.manual_seed(3)
@@ -80,7 +80,7 @@ def test_compiled_cpu_scan_equals_stock_loop():
 def test_compiled_scan_reads_transformers_views(d, n):
     """The mixer hands over transposed views (u, z out of the in-projection, B, C out of x_proj): the kernel
     reads them in place, including a channel count that is not a multiple of its 8-channel blocks."""
-    from hf_tokred import cpu_kernel
+    from hf_tokred.ops import cpu as cpu_kernel
 
     torch.manual_seed(d + n)
     b, L, r = 2, 37, 5
@@ -117,7 +117,7 @@ def test_compiled_scan_reads_transformers_views(d, n):
 def test_compiled_conv_equals_stock(activation, with_bias):
     """The fused depthwise causal convolution against transformers' F.conv1d fallback, on the strided view the
     mixer passes (the first half of the in-projection output), with and without the cache's prefix."""
-    from hf_tokred import cpu_kernel
+    from hf_tokred.ops import cpu as cpu_kernel
 
     torch.manual_seed(1)
     b, d, L, k = 3, 21, 19, 4

@@ -33,7 +33,7 @@ from hf_tokred.flops import (
     flops_reduction,
     layer_flops,
     model_flops,
-    proxy_flops_reduction,
+    measured_proxy_reduction as proxy_flops_reduction,
 )
 
 from conftest import stock_transformers

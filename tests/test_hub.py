@@ -19,13 +19,14 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, pipeli
 
 import hf_tokred
 import hf_tokred.cli
+import hf_tokred.hub.publish
+import hf_tokred.variant
 from hf_tokred import TokenReductionConfig
 from hf_tokred import hub
 from hf_tokred.flops import flops_reduction
 
 from conftest import tiny_model, word_tokenizer
 
-hub.register()  # hf_tokred.patch.install() does this once wired; calling it again is a no-op
 
 SETTINGS = {"method": "utrc", "flops_reduction": 0.2, "anchors": [1, 3]}
 IDS = torch.randint(2, 96, (2, 20), generator=torch.Generator().manual_seed(0))
@@ -151,7 +152,7 @@ def test_loader_forwards_base_revision_and_loading_kwargs_only(tmp_path, monkeyp
             calls.append((name, kwargs))
             return "model"
 
-    monkeypatch.setattr(hub, "AutoModelForCausalLM", Recorder)
+    monkeypatch.setattr(hf_tokred.variant, "AutoModelForCausalLM", Recorder)
     expected = (str(base.resolve()), {"dtype": torch.float16, "revision": "abc123",
                                       "token_reduction": TokenReductionConfig(**SETTINGS).to_dict()})
     # called directly: revision applies to the variant folder's config, never to the base
@@ -181,9 +182,9 @@ def test_variant_errors_are_clear(tmp_path, base):
         hub.TokenReductionVariant()
 
 
-def test_register_is_idempotent():
-    hub.register()
-    hub.register()
+def test_install_is_idempotent():
+    hf_tokred.install()
+    hf_tokred.install()
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     assert CONFIG_MAPPING["hf_tokred_variant"] is hub.TokenReductionVariantConfig
@@ -289,7 +290,7 @@ def test_stock_transformers_loads_a_full_copy_and_trust_remote_code_finds_the_pl
 
 
 def _eval_result(settings, model_type="mamba", layers=6, acc=0.625, model="base"):
-    from hf_tokred.evaluation.harness import SCHEMA, paper_row
+    from hf_tokred.evaluation.results import SCHEMA, paper_row
 
     result = {
         "schema": SCHEMA, "model": str(model), "model_type": model_type, "num_hidden_layers": layers, "method": "utrc",
@@ -312,7 +313,7 @@ def test_model_card_states_settings_flops_licence_and_how_to_load(base, tmp_path
     text = card.text
     config = AutoConfig.from_pretrained(base)
     schedule = TokenReductionConfig(**SETTINGS).resolve(config.num_hidden_layers)
-    lengths = hub.layer_lengths(TokenReductionConfig(**SETTINGS), config.num_hidden_layers, 2048)
+    lengths = schedule.layer_lengths(2048)
     exact = flops_reduction(config, lengths, 2048)
     assert f"**{100 * exact:.1f} %**" in text and "analytic" in text and "2048-token" in text
     assert "blocks **1, 3**" in text and f"**{schedule.keep_ratio:.4f}**" in text
@@ -364,8 +365,6 @@ def test_hub_ids_go_into_the_card_metadata(family):
 
 
 def run_cli(argv, monkeypatch):
-    if "hf_tokred.hub" not in hf_tokred.cli.SUBCOMMAND_MODULES:
-        monkeypatch.setattr(hf_tokred.cli, "SUBCOMMAND_MODULES", (*hf_tokred.cli.SUBCOMMAND_MODULES, "hf_tokred.hub"))
     return hf_tokred.cli.main(argv)
 
 
@@ -381,10 +380,8 @@ def test_push_output_writes_a_settings_only_variant(base, tmp_path, monkeypatch,
 
 
 def test_push_full_copy_uploads_with_the_hf_api(tmp_path, monkeypatch, capsys):
-    import huggingface_hub
-
     fake = FakeHub(tmp_path / "hub")
-    monkeypatch.setattr(huggingface_hub, "HfApi", lambda token=None: fake)
+    monkeypatch.setattr(hf_tokred.hub.publish, "HfApi", lambda token=None: fake)
     result = _eval_result({"method": "utrc", "flops_reduction": 0.2}, layers=12, acc=0.4, model="random:mamba-tiny")
     (tmp_path / "r.json").write_text(json.dumps(result))
     assert run_cli(["push", "--model", "random:mamba-tiny", "--flops-reduction", "0.2", "--full-copy", "--private",
@@ -401,8 +398,6 @@ def test_push_full_copy_uploads_with_the_hf_api(tmp_path, monkeypatch, capsys):
 
 
 def test_push_upload_failure_exits_1_with_the_fix(tmp_path, monkeypatch, capsys):
-    import huggingface_hub
-
     class Offline:
         def __init__(self, token=None):
             pass
@@ -410,7 +405,7 @@ def test_push_upload_failure_exits_1_with_the_fix(tmp_path, monkeypatch, capsys)
         def create_repo(self, repo_id, **kwargs):
             raise OSError("no network")
 
-    monkeypatch.setattr(huggingface_hub, "HfApi", Offline)
+    monkeypatch.setattr(hf_tokred.hub.publish, "HfApi", Offline)
     assert run_cli(["push", "--model", "random:mamba2-tiny", "--keep-ratio", "0.8", "--full-copy", "--repo",
                     "someone/x"], monkeypatch) == 1
     err = capsys.readouterr().err

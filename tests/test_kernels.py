@@ -23,21 +23,18 @@ import pytest  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
 from hf_tokred import reduce  # noqa: E402
-from hf_tokred.kernels import (  # noqa: E402
-    apply_plan_fused_reference,
+from hf_tokred.ops import (  # noqa: E402
     cu_seqlens_from_lengths,
     dispatch,
     force_backend,
-    fused_apply_plan,
-    mamba2_chunk_scan_varlen,
     pack_padded,
     selective_scan_varlen,
     selective_scan_varlen_ref,
-    ssd_varlen_ref,
-    ssd_varlen_torch,
     unpack_padded,
 )
-from hf_tokred.scan import selective_scan  # noqa: E402
+from hf_tokred.ops.scan import selective_scan  # noqa: E402
+
+from fused_reference import apply_plan_fused_reference, fused_apply_plan  # noqa: E402
 
 from conftest import STOCK  # noqa: E402
 
@@ -100,19 +97,13 @@ def make_case(selection, lengths=(10, 7, 2), D=8, keep_ratio=0.6, seed=0, dtype=
 def test_fused_plan_matches_reference(selection, strategies):
     res, h, mask, protected, plan = make_case(selection)
     assert not bool(plan.keep_mask.all())  # the padded layout is exercised
-    N = mask.shape[1]
-    positions = torch.arange(N, device=DEVICE).expand_as(mask)
     ref = apply_plan_fused_reference(res, h, plan, *strategies, q=0.5)
     for backend in BACKENDS:
         with force_backend(backend):
-            out, (m2, p2, pr2) = fused_apply_plan(
-                res, h, plan, *strategies, q=0.5, carry=(mask, positions, protected), fills=(False, -1, False)
-            )
+            out = fused_apply_plan(res, h, plan, *strategies, q=0.5)
         assert out.dtype == torch.float32 and out.shape == ref.shape
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=0, msg=lambda m: f"{backend}: {m}")
-        assert torch.equal(m2, reduce.reduce_along(mask, plan, False)) and m2.dtype == torch.bool
-        assert torch.equal(p2, reduce.reduce_along(positions, plan, -1))
-        assert torch.equal(pr2, reduce.reduce_along(protected, plan, False))
+        torch.testing.assert_close(out, reduce.apply_plan_pair(res, h, plan, *strategies, q=0.5), atol=1e-5, rtol=0)
 
 
 @needs_triton
@@ -126,7 +117,7 @@ def test_fused_plan_hybrid_q(q, strategies):
     ref = apply_plan_fused_reference(res, h, plan, *strategies, q=q)
     for backend in BACKENDS:
         with force_backend(backend):
-            out, _ = fused_apply_plan(res, h, plan, *strategies, q=q)
+            out = fused_apply_plan(res, h, plan, *strategies, q=q)
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=0, msg=lambda m: f"{backend}: {m}")
 
 
@@ -159,7 +150,7 @@ def test_fused_plan_strided_inputs_and_empty_rows():
     res_v = wide[..., ::2]  # non-contiguous channels
     h_v = h.transpose(0, 1).contiguous().transpose(0, 1)  # permuted strides
     ref = apply_plan_fused_reference(res_v, h_v, plan, "merge", "hybrid_channel")
-    out, _ = fused_apply_plan(res_v, h_v, plan, "merge", "hybrid_channel")
+    out = fused_apply_plan(res_v, h_v, plan, "merge", "hybrid_channel")
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
 
 
@@ -172,7 +163,7 @@ def test_fused_plan_low_precision_within_one_ulp(dtype, strategies):
     ref32 = apply_plan_fused_reference(res.float(), h.float(), plan, *strategies)
     for backend in BACKENDS:
         with force_backend(backend):
-            out, _ = fused_apply_plan(res, h, plan, *strategies)
+            out = fused_apply_plan(res, h, plan, *strategies)
         assert out.dtype == dtype
         assert_within_one_ulp(out, ref32)
 
@@ -181,7 +172,7 @@ def test_fused_plan_low_precision_within_one_ulp(dtype, strategies):
 def test_fused_plan_fp32_residual_bf16_hidden():
     res, h, _, _, plan = make_case("importance_similarity", hid_dtype=torch.bfloat16, seed=4)
     assert res.dtype == torch.float32 and h.dtype == torch.bfloat16
-    out, _ = fused_apply_plan(res, h, plan, "merge", "hybrid")
+    out = fused_apply_plan(res, h, plan, "merge", "hybrid")
     assert out.dtype == (res + h).dtype == torch.float32
     ref = apply_plan_fused_reference(res, h.float(), plan, "merge", "hybrid")
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
@@ -201,7 +192,7 @@ def test_fused_plan_gradients(backend):
     ref = apply_plan_fused_reference(res1, h1, plan, *strategies)
     ref_grads = torch.autograd.grad((ref * g).sum(), (res1, h1))
     with force_backend(backend):
-        out, _ = fused_apply_plan(res2, h2, plan, *strategies)
+        out = fused_apply_plan(res2, h2, plan, *strategies)
     grads = torch.autograd.grad((out * g).sum(), (res2, h2))
     for a, b in zip(grads, ref_grads):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
@@ -210,11 +201,10 @@ def test_fused_plan_gradients(backend):
 @needs_triton
 def test_fused_plan_opcheck():
     res, h, mask, _, plan = make_case("importance_similarity", lengths=(6, 4), D=4, seed=6)
-    w_res = reduce._merge_weights(plan, "merge", 0.5, None)
-    w_hid = reduce._merge_weights(plan, "hybrid_channel", 0.5, reduce._take(h, plan.src))
-    aux = torch.stack([mask.long(), torch.arange(mask.shape[1], device=DEVICE).expand_as(mask)])
+    w_res = reduce.merge_weights(plan, "merge", 0.5, None)
+    w_hid = reduce.merge_weights(plan, "hybrid_channel", 0.5, h.gather(1, plan.src[..., None].expand(-1, -1, 4)))
     args = (res.requires_grad_(), h.requires_grad_(), plan.keep, plan.keep_mask, plan.src, plan.dst_slot,
-            w_res, w_hid, aux, [0, -1])
+            w_res, w_hid)
     op = torch.ops.hf_tokred.apply_plan_fused.default
     # schema, autograd registration and fake-vs-real metadata on the kernel path; the (slow, traced)
     # AOT-dispatch check does not depend on the implementation, so it runs on the torch path
@@ -366,71 +356,6 @@ def test_scan_opcheck_and_flops():
 
 
 # ---------------------------------------------------------------------------------------------------
-# Mamba-2 varlen (torch path; mamba_ssm glue against a stand-in)
-
-
-def ssd_inputs(lengths, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    T, S, H, P, G, N = sum(lengths), len(lengths), 4, 3, 2, 5
-    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
-    return dict(x=r(T, H, P), dt=r(T, H), A=-torch.rand(H, generator=g) * 2, B=r(T, G, N), C=r(T, G, N),
-                cu_seqlens=cu_seqlens_from_lengths(torch.tensor(lengths)), D=r(H), z=r(T, H, P), dt_bias=r(H),
-                initial_states=r(S, H, P, N), dt_softplus=True)
-
-
-@pytest.mark.parametrize("chunk_size", [1, 4, 64])
-def test_ssd_torch_matches_step_reference(chunk_size):
-    kw = ssd_inputs((5, 0, 11, 1), seed=chunk_size)
-    ref_y, ref_h = ssd_varlen_ref(**kw)
-    y, h = ssd_varlen_torch(**kw, chunk_size=chunk_size)
-    torch.testing.assert_close(y, ref_y, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(h, ref_h, atol=1e-5, rtol=1e-5)
-    y2, h2 = mamba2_chunk_scan_varlen(**kw, chunk_size=chunk_size)  # CPU: the torch path
-    torch.testing.assert_close(y2, y, atol=0, rtol=0)
-
-
-def _fake_mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None,
-                                    seq_idx=None, cu_seqlens=None, dt_softplus=False, dt_limit=(0.0, math.inf),
-                                    return_final_states=False, return_varlen_states=False):
-    """Stand-in with mamba_ssm's semantics: batch 1, the state restarts at seq_idx changes, initial_states
-    only at the start of the row, varlen states per cu_seqlens."""
-    assert x.dim() == 4 and x.shape[0] == 1 and dt.shape == x.shape[:3] and B.dim() == 4
-    T = x.shape[1]
-    if seq_idx is not None:
-        change = torch.nonzero(seq_idx[0, 1:] != seq_idx[0, :-1]).flatten() + 1
-        bounds = torch.cat([torch.tensor([0]), change, torch.tensor([T])])
-    else:
-        bounds = torch.tensor([0, T])
-    h0 = None
-    if initial_states is not None:
-        h0 = torch.zeros(len(bounds) - 1, *initial_states.shape[1:])
-        h0[0] = initial_states[0]
-    y, finals = ssd_varlen_ref(x[0], dt[0], A, B[0], C[0], bounds, D=D, z=None if z is None else z[0], dt_bias=dt_bias,
-                               initial_states=h0, dt_softplus=dt_softplus, dt_limit=dt_limit)
-    out = [y[None]]
-    if return_final_states:
-        out.append(finals[-1:])
-    if return_varlen_states:
-        assert cu_seqlens is not None
-        nonempty = (cu_seqlens[1:] > cu_seqlens[:-1]).tolist()
-        it = iter(finals)
-        out.append(torch.stack([next(it) if ne else torch.zeros_like(finals[0]) for ne in nonempty]))
-    return tuple(out) if len(out) > 1 else out[0]
-
-
-@pytest.mark.parametrize("with_h0", [False, True])
-def test_mamba2_mamba_ssm_glue(monkeypatch, with_h0):
-    monkeypatch.setattr(dispatch, "mamba_ssm_chunk_scan", lambda: _fake_mamba_chunk_scan_combined)
-    kw = ssd_inputs((5, 3, 1), seed=21)
-    if not with_h0:
-        kw["initial_states"] = None
-    ref_y, ref_h = ssd_varlen_ref(**kw)
-    y, h = mamba2_chunk_scan_varlen(**kw, chunk_size=4, use_mamba_ssm=True)
-    torch.testing.assert_close(y, ref_y, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(h, ref_h, atol=1e-5, rtol=1e-5)
-
-
-# ---------------------------------------------------------------------------------------------------
 # dispatch
 
 
@@ -464,7 +389,7 @@ def test_dispatch_rules(monkeypatch, caplog):
 def test_no_hard_import_of_triton_or_mamba_ssm():
     """The public kernel modules import neither at module level (the Triton ones load on first use)."""
     root = Path(dispatch.__file__).parent
-    for name in ("__init__", "apply_plan", "selective_scan", "ssd", "dispatch"):
+    for name in ("__init__", "apply_plan", "selective_scan", "dispatch"):
         tree = ast.parse((root / f"{name}.py").read_text())
         for node in tree.body:  # module level only
             mods = [a.name for a in node.names] if isinstance(node, ast.Import) else (
@@ -476,7 +401,7 @@ def test_runs_without_triton_or_mamba_ssm(monkeypatch):
     monkeypatch.setitem(sys.modules, "triton", None)  # import triton -> ImportError, find_spec -> None
     monkeypatch.setitem(sys.modules, "mamba_ssm", None)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    assert not dispatch.triton_available() and dispatch.mamba_ssm_chunk_scan() is None
+    assert not dispatch.triton_available()
     assert dispatch.choose_backend("op", "cpu") == "torch"
     with pytest.raises(RuntimeError, match="needs Triton"):
         dispatch.choose_backend("op", "cuda")
@@ -492,32 +417,29 @@ def test_runs_without_triton_or_mamba_ssm(monkeypatch):
 @contextlib.contextmanager
 def cuda_anchor_branch():
     """Within the block, the reducing loop's anchor code takes its CUDA branch on CPU tensors: only inside
-    ``hf_tokred.patch._apply_both`` does a tensor report device type ``"cuda"`` (the branch test); everything else
+    ``hf_tokred.loop._apply_both`` does a tensor report device type ``"cuda"`` (the branch test); everything else
     sees the real device.  Yields the list of ``fused_apply_plan`` calls made through that branch."""
-    from hf_tokred import kernels, patch
+    from hf_tokred import loop
 
     calls = []
-    fused = kernels.fused_apply_plan
+    fused = loop.fused_apply_plan
 
     def spy(*args, **kwargs):
-        calls.append(args[3:])
+        calls.append(args[6:8])  # the two branches' merge weights
         return fused(*args, **kwargs)
 
     with pytest.MonkeyPatch.context() as m:
-        if hasattr(patch, "FUSED_APPLY_DEVICES"):  # a module-level switch, when patch.py has one
-            m.setattr(patch, "FUSED_APPLY_DEVICES", frozenset({"cpu", "cuda"}))
-        else:
-            real = torch._C.TensorBase.device.__get__
-            branch = patch._apply_both.__code__
+        real = torch._C.TensorBase.device.__get__
+        branch = loop._apply_both.__code__
 
-            class _Cuda:
-                type = "cuda"
+        class _Cuda:
+            type = "cuda"
 
-            def device(self):
-                return _Cuda if sys._getframe(1).f_code is branch else real(self)
+        def device(self):
+            return _Cuda if sys._getframe(1).f_code is branch else real(self)
 
-            m.setattr(torch.Tensor, "device", property(device))
-        m.setattr(kernels, "fused_apply_plan", spy)
+        m.setattr(torch.Tensor, "device", property(device))
+        m.setattr(loop, "fused_apply_plan", spy)
         yield calls
 
 
@@ -555,7 +477,8 @@ def test_reducing_model_cuda_branch(backend, family, method, q):
     cpu_branch, _, _ = run(False)
     out, calls, _ = run(True)
     assert len(calls) == len(out.plans) == 2  # every anchor went through the fused op
-    assert all(args[:3] == (cfg.residual, cfg.hidden, q) for args in calls)
+    for w_res, w_hid in calls:  # each branch with its own strategy: merge weights where it merges, none to prune
+        assert (w_res is None) == (cfg.residual == "prune") and (w_hid is None) == (cfg.hidden == "prune")
     torch.testing.assert_close(out.logits, cpu_branch.logits, atol=1e-5, rtol=0, equal_nan=True)
     for b in range(2):
         real = mask[b].nonzero().flatten()

@@ -203,7 +203,7 @@ def test_apply_rejects_unsupported_models_and_schedules(model):
 
 
 def test_computed_mask_ignores_padding_entries():
-    from hf_tokred.patch import _computed_mask, _scatter_to_positions
+    from hf_tokred.outputs import computed_mask as _computed_mask, scatter_to_positions as _scatter_to_positions
 
     positions = torch.tensor([[-1, -1, 0, 3], [0, 1, 2, 3]])
     assert _computed_mask(positions, 5).tolist() == [[True, False, False, True, False], [True, True, True, True, False]]
@@ -239,3 +239,38 @@ def test_compact_logits_are_the_computed_columns(family):
     dense = tiny_model(family)
     with torch.no_grad():  # nothing reduced: the stock logits (every position computed)
         assert dense(ids, compact_logits=True).logits.shape == (2, 23, dense.config.vocab_size)
+
+
+@pytest.mark.parametrize("method", ["utrc", "utrc_reference", "tome", "evit"])
+def test_plan_is_made_from_the_anchor_mixer_output(model, method):
+    """The first anchor's plan is the selection rule applied to that block's mixer output (computed here with stock
+    blocks and transformers' kernels, row by row without padding): not to the block input or the branch sum."""
+    from hf_tokred.reduce import make_plan
+
+    from conftest import stock_transformers
+
+    cfg = TokenReductionConfig(method=method, keep_ratio=0.6, anchors=[2, 4])
+    hf_tokred.apply_token_reduction(model, cfg)
+    ids, mask = batch(7, lengths=(22, 15))
+    with torch.no_grad():
+        out = model(ids, attention_mask=mask)
+    assert out.plans and out.plans[0][0] == 2
+    plan = out.plans[0][1]
+    for b in range(2):
+        real = mask[b].nonzero().flatten()
+        with torch.no_grad(), stock_transformers():
+            x = model.backbone.embeddings(ids[b, real][None])
+            for block in model.backbone.layers[:2]:
+                x = block(x)
+            h = model.backbone.layers[2].mixer(model.backbone.layers[2].norm(x))
+        n = len(real)
+        protected = torch.zeros(1, n, dtype=torch.bool)
+        protected[0, -1] = True
+        want = make_plan(h, torch.ones(1, n, dtype=torch.bool), protected, 0.6, cfg.spec.selection, cfg.metric,
+                         cfg.spec.pairs)
+        offset = ids.shape[1] - n  # left padding
+        ok = plan.src_mask[b]
+        got_pairs = sorted(zip((plan.src[b][ok] - offset).tolist(), (plan.dst[b][ok] - offset).tolist()))
+        want_pairs = sorted(zip(want.src[0][want.src_mask[0]].tolist(), want.dst[0][want.src_mask[0]].tolist()))
+        assert got_pairs and (got_pairs == want_pairs if cfg.spec.pairs else
+                              [s for s, _ in got_pairs] == [s for s, _ in want_pairs]), (b, got_pairs, want_pairs)

@@ -28,15 +28,10 @@ import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import hf_tokred  # noqa: E402
-from hf_tokred import TokenReductionConfig, cpu_kernel, fastpath  # noqa: E402
-from hf_tokred.kernels import (  # noqa: E402
-    cu_seqlens_from_lengths,
-    force_backend,
-    mamba2_chunk_scan_varlen,
-    selective_scan_varlen,
-    ssd_varlen_torch,
-)
-from hf_tokred.scan import selective_scan  # noqa: E402
+from hf_tokred import TokenReductionConfig, fastpath  # noqa: E402
+from hf_tokred.ops import cpu as cpu_kernel  # noqa: E402
+from hf_tokred.ops import cu_seqlens_from_lengths, force_backend, selective_scan_varlen  # noqa: E402
+from hf_tokred.ops.scan import selective_scan  # noqa: E402
 from transformers.models.mamba import modeling_mamba  # noqa: E402
 
 from conftest import STOCK, tiny_model  # noqa: E402
@@ -215,49 +210,6 @@ def ssd_inputs(lengths, H=4, P=3, G=2, N=5, seed=0):
     T, S = sum(lengths), len(lengths)
     return dict(x=r(T, H, P), dt=r(T, H), A=-torch.rand(H, generator=g) * 2 - 0.1, B=r(T, G, N), C=r(T, G, N),
                 D=r(H), dt_bias=0.5 * r(H), initial_states=r(S, H, P, N))
-
-
-def _ssd_stock(kw, cu, chunk_size):
-    """transformers' mamba2_chunk_scan, one sequence at a time (batch 1)."""
-    ys, finals = [], []
-    for s in range(len(cu) - 1):
-        sl = slice(cu[s], cu[s + 1])
-        y, final = STOCK.mamba2_chunk_scan(kw["x"][None, sl], kw["dt"][None, sl], kw["A"], kw["B"][None, sl],
-                                           kw["C"][None, sl], chunk_size, D=kw["D"], dt_bias=kw["dt_bias"],
-                                           initial_states=kw["initial_states"][s : s + 1], dt_softplus=True,
-                                           return_final_states=True)
-        ys.append(y[0])
-        finals.append(final[0])
-    return torch.cat(ys), torch.stack(finals)
-
-
-def _ssd_grads(fn, kw):
-    leaves = {k: v.detach().clone().requires_grad_() for k, v in kw.items()}
-    y, final = fn(leaves)
-    g = torch.Generator().manual_seed(11)
-    ((y.double() * torch.randn(y.shape, generator=g, dtype=torch.double)).sum()
-     + (final.double() * torch.randn(final.shape, generator=g, dtype=torch.double)).sum()).backward()
-    return y.detach().float(), final.detach().float(), {k: v.grad for k, v in leaves.items()}
-
-
-@pytest.mark.parametrize("chunk_size", [1, 4, 64])
-def test_mamba2_scan_forward_and_every_gradient_equal_transformers(chunk_size):
-    lengths = (9, 1, 6)
-    kw = ssd_inputs(lengths, seed=chunk_size)
-    cu = cu_seqlens_from_lengths(torch.tensor(lengths))
-    ours = {
-        "ssd_varlen_torch": lambda t: ssd_varlen_torch(**t, cu_seqlens=cu, chunk_size=chunk_size, dt_softplus=True),
-        "mamba2_chunk_scan_varlen": lambda t: mamba2_chunk_scan_varlen(**t, cu_seqlens=cu, chunk_size=chunk_size,
-                                                                       dt_softplus=True),
-    }
-    y_ref, final_ref, grads_ref = _ssd_grads(lambda t: _ssd_stock(t, cu.tolist(), chunk_size), kw)
-    for name, fn in ours.items():
-        y, final, grads = _ssd_grads(fn, kw)
-        torch.testing.assert_close(y, y_ref, atol=ATOL, rtol=1e-5, msg=lambda m: f"{name}: {m}")
-        torch.testing.assert_close(final, final_ref, atol=ATOL, rtol=1e-5, msg=lambda m: f"{name}: {m}")
-        for k, g_ref in grads_ref.items():
-            assert g_ref is not None and grads[k] is not None, (name, k)
-            torch.testing.assert_close(grads[k], g_ref, atol=1e-4, rtol=1e-4, msg=lambda m: f"{name} d/d{k}: {m}")
 
 
 def test_stock_mamba2_scan_equals_its_equations():

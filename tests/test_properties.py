@@ -30,7 +30,7 @@ from transformers import AutoModelForCausalLM
 
 import hf_tokred
 from hf_tokred import METHODS, METRICS, STRATEGIES, TokenReductionConfig
-from hf_tokred.config import proxy_flops_reduction
+from hf_tokred.config import schedule_proxy_reduction as proxy_flops_reduction
 from hf_tokred.reduce import apply_plan, make_plan, num_to_remove
 
 from conftest import examples, stock_forward, tiny_model
@@ -139,7 +139,7 @@ def configs(draw, layers=LAYERS, max_keep=1.0, method=None):
 def test_config_round_trips_through_json(cfg):
     d = cfg.to_dict()
     assert set(d) == {"method", "flops_reduction", "keep_ratio", "anchors", "metric", "q", "hidden_strategy",
-                      "residual_strategy"}  # every field, always
+                      "residual_strategy", "version"}  # every field, always, and the version that wrote them
     again = TokenReductionConfig.from_dict(json.loads(json.dumps(d)))
     assert again == cfg and again.to_dict() == d
     assert TokenReductionConfig.coerce(d) == cfg

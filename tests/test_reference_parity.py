@@ -10,8 +10,11 @@ floating-point ties of the link scores (their arg-sort is not stable); the input
 import pytest
 import torch
 
+import transformers
+
 import hf_tokred
 from hf_tokred import TokenReductionConfig
+from hf_tokred.families import FAMILIES
 
 from conftest import tiny_config
 
@@ -85,7 +88,7 @@ def authors_forward(model, ids: torch.Tensor, anchors, keep_ratio: float) -> tor
 @pytest.mark.parametrize("family", ["mamba", "mamba2"])
 def test_utrc_reference_matches_the_authors_code(family):
     torch.manual_seed(0)
-    cls = hf_tokred.patch.FAMILIES[family].lm_class
+    cls = getattr(transformers, FAMILIES[family].lm_class)
     config = tiny_config(family, layers=24)
     config.use_bias = True
     model = cls(config).eval()

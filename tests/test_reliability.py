@@ -21,7 +21,8 @@ from transformers import (
 )
 
 import hf_tokred
-from hf_tokred import TokenReductionConfig, cpu_kernel, hub
+from hf_tokred import TokenReductionConfig, hub
+from hf_tokred.ops import cpu as cpu_kernel
 from hf_tokred.cli import main
 from hf_tokred.models import weights_fingerprint
 

@@ -15,7 +15,7 @@ from transformers import MambaConfig, MambaForCausalLM
 from transformers.models.mamba import modeling_mamba
 
 from hf_tokred import fastpath
-from hf_tokred.scan import selective_scan
+from hf_tokred.ops.scan import selective_scan
 
 from conftest import STOCK, examples, stock_transformers
 

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from .harness import ROW_COLUMNS, SCHEMA, format_row, paper_row
+from .results import ROW_COLUMNS, SCHEMA, format_row, paper_row
 
 __all__ = ["X_AXES", "load_results", "make_report", "markdown_table", "plot_results", "report_rows"]
 

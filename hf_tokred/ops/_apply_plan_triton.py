@@ -12,8 +12,7 @@ Index layout (built in torch by :func:`build_csr`, no host synchronisation):
 Kernel grid ``(B * M, cdiv(D, BLOCK_D))``: one program per output row (kept slot) and channel block.
 It loads the kept token of both branches, walks its CSR segment accumulating ``w * x_src`` and ``w``
 per branch in fp32, divides by ``1 + sum w``, adds the branches, zeroes padding slots and stores in the
-output dtype.  Programs with ``pid_d == 0`` also compact the carried per-token tensors (mask,
-positions, ...: ``reduce_along``) so no second launch is needed.
+output dtype.
 """
 
 from __future__ import annotations
@@ -36,13 +35,11 @@ def _apply_plan_fused_kernel(
     keep_ptr, kmask_ptr,
     row_ptr, nz_tok_ptr, nz_r_ptr,
     wr_ptr, wh_ptr,
-    aux_ptr, aux_out_ptr, aux_fill_ptr,
-    M, N, D, BN, BM,
+    M, D,
     s_rb, s_rn, s_rd,
     s_hb, s_hn, s_hd,
     s_wr, s_wh,
-    RES_MODE: tl.constexpr, HID_MODE: tl.constexpr,
-    N_AUX: tl.constexpr, BLOCK_D: tl.constexpr,
+    RES_MODE: tl.constexpr, HID_MODE: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)  # b * M + m
     pid_d = tl.program_id(1)
@@ -90,13 +87,6 @@ def _apply_plan_fused_kernel(
     out = tl.where(valid, acc_r + acc_h, 0.0)
     tl.store(out_ptr + pid * D + offs, out.to(out_ptr.dtype.element_ty), mask=dmask)
 
-    if N_AUX > 0:
-        if pid_d == 0:
-            for a in tl.static_range(N_AUX):
-                v = tl.load(aux_ptr + a * BN + b * N + tok)
-                fill = tl.load(aux_fill_ptr + a)
-                tl.store(aux_out_ptr + a * BM + pid, tl.where(valid, v, fill))
-
 
 def build_csr(src, dst_slot, w_res, w_hid, M):
     """CSR of active sources per kept slot (see the module docstring): ``row_ptr, nz_tok, nz_r``."""
@@ -122,16 +112,14 @@ def _block_d(D: int) -> int:
     return min(triton.next_power_of_2(D), 512)
 
 
-def apply_plan_fused(residual, hidden, keep, keep_mask, src, dst_slot, w_res, w_hid, aux, aux_fill, out_dtype):
+def apply_plan_fused(residual, hidden, keep, keep_mask, src, dst_slot, w_res, w_hid, out_dtype):
     B, N, D = residual.shape
     M = keep.shape[1]
     R = src.shape[1]
     device = residual.device
     out = torch.empty(B, M, D, dtype=out_dtype, device=device)
-    n_aux = 0 if aux is None else aux.shape[0]
-    aux_out = torch.empty(n_aux, B, M, dtype=torch.int64, device=device)
     if B * M == 0:
-        return out, aux_out
+        return out
     if R == 0:
         w_res = w_hid = None
     modes = []
@@ -157,11 +145,6 @@ def apply_plan_fused(residual, hidden, keep, keep_mask, src, dst_slot, w_res, w_
         row_ptr = nz_tok = nz_r = keep  # dummies, never read
     keep_c = keep.contiguous()
     kmask = keep_mask.to(torch.int8).contiguous()
-    if n_aux:
-        aux_c = aux.to(torch.int64).contiguous()
-        fill = torch.tensor(list(aux_fill), dtype=torch.int64, device=device)
-    else:
-        aux_c = fill = keep_c
     BLOCK_D = _block_d(D)
     grid = (B * M, triton.cdiv(D, BLOCK_D))
     _apply_plan_fused_kernel[grid](
@@ -169,12 +152,11 @@ def apply_plan_fused(residual, hidden, keep, keep_mask, src, dst_slot, w_res, w_
         keep_c, kmask,
         row_ptr, nz_tok, nz_r,
         ptrs[0], ptrs[1],
-        aux_c, aux_out, fill,
-        M, N, D, B * N, B * M,
+        M, D,
         residual.stride(0), residual.stride(1), residual.stride(2),
         hidden.stride(0), hidden.stride(1), hidden.stride(2),
         strides[0], strides[1],
-        RES_MODE=modes[0], HID_MODE=modes[1], N_AUX=n_aux, BLOCK_D=BLOCK_D,
+        RES_MODE=modes[0], HID_MODE=modes[1], BLOCK_D=BLOCK_D,
         num_warps=4 if BLOCK_D >= 256 else 2,
     )
-    return out, aux_out
+    return out

@@ -102,7 +102,23 @@ def selective_scan(
     for name in kwargs:
         if name not in _IGNORED_TRANSFORMERS_FLAGS:
             raise TypeError(f"selective_scan() got an unexpected keyword argument '{name}'")
+    _check_shapes(hidden_states, dt, A, B, C, initial_state)
+    chunk = DEFAULT_CHUNK_SIZE if chunk_size is None else int(chunk_size)
+    if chunk < 1:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
 
+    batch, d_inner, length = hidden_states.shape
+    u = hidden_states.float()
+    state = u.new_zeros(batch, d_inner, A.shape[-1]) if initial_state is None else initial_state.float()
+    if length == 0:
+        return (hidden_states.clone(), state.clone()) if return_last_state else hidden_states.clone()
+    y, state = _chunked_scan(u, prepare_dt(dt, delta_bias, delta_softplus), A.float(), B.float(), C.float(), state,
+                             chunk)
+    y = finish_output(y, u, D, z, hidden_states.dtype)
+    return (y, state) if return_last_state else y
+
+
+def _check_shapes(hidden_states, dt, A, B, C, initial_state) -> None:
     batch, d_inner, length = hidden_states.shape
     n_state = A.shape[-1]
     expected = {"dt": hidden_states.shape, "A": (d_inner, n_state), "B": (batch, n_state, length),
@@ -111,26 +127,21 @@ def selective_scan(
     for name, tensor in given.items():
         if tensor is not None and tuple(tensor.shape) != tuple(expected[name]):
             raise ValueError(f"{name} must have shape {tuple(expected[name])}, got {tuple(tensor.shape)}")
-    chunk = DEFAULT_CHUNK_SIZE if chunk_size is None else int(chunk_size)
-    if chunk < 1:
-        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
 
-    u = hidden_states.float()
-    state = u.new_zeros(batch, d_inner, n_state) if initial_state is None else initial_state.float()
-    if length == 0:
-        return (hidden_states.clone(), state.clone()) if return_last_state else hidden_states.clone()
-    A = A.float()
-    dt = dt.float()
-    dt = prepare_dt(dt, delta_bias, delta_softplus)
 
+def _chunked_scan(u, dt, A, B, C, state, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The recurrence ``h_t = exp(dt_t A) h_{t-1} + dt_t B_t u_t``, ``y_t = C_t . h_t`` in fp32, chunk by chunk:
+    ``y [batch, d_inner, L]`` (before the D skip and the gate) and the final state."""
+    batch, d_inner, length = u.shape
+    n_state = A.shape[-1]
     # Balanced chunks: n_chunks * chunk >= length with less than one padded step per chunk.
     # Padded steps have dt = 0 (decay 1, input 0), so they leave the state unchanged.
     n_chunks = math.ceil(length / min(chunk, length))
     chunk = math.ceil(length / n_chunks)
     dt_c = _to_chunks(dt, n_chunks, chunk)  # [batch, n_chunks, T, d_inner]
     x_c = _to_chunks(dt * u, n_chunks, chunk)
-    B_c = _to_chunks(B.float(), n_chunks, chunk)  # [batch, n_chunks, T, N]
-    C_c = _to_chunks(C.float(), n_chunks, chunk)
+    B_c = _to_chunks(B, n_chunks, chunk)  # [batch, n_chunks, T, N]
+    C_c = _to_chunks(C, n_chunks, chunk)
 
     # Without autograd, reuse buffers and update in place (about 1.3x faster on CPU).
     inplace = not (torch.is_grad_enabled() and any(t.requires_grad for t in (u, dt, A, B, C, state)))
@@ -155,10 +166,7 @@ def selective_scan(
         carried = decay.mul_(state[:, None]) if inplace else decay * state[:, None]
         y[:, c] += torch.einsum("btdn,btn->btd", carried, C_c[:, c])
         state = next_state
-
-    y = y.view(batch, n_chunks * chunk, d_inner)[:, :length].transpose(1, 2).contiguous()
-    y = finish_output(y, u, D, z, hidden_states.dtype)
-    return (y, state) if return_last_state else y
+    return y.view(batch, n_chunks * chunk, d_inner)[:, :length].transpose(1, 2).contiguous(), state
 
 
 def prepare_dt(dt: torch.Tensor, delta_bias: torch.Tensor | None, delta_softplus: bool) -> torch.Tensor:

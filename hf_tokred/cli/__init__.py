@@ -1,0 +1,54 @@
+"""The ``hf-tokred`` command: one module per subcommand, one error policy (:mod:`.common`).
+
+Exit codes: 0 success, 2 bad usage or invalid settings (one line naming the flag), 1 a model or file that cannot
+be found or read (one line).  ``-v`` shows library logs, progress bars and full tracebacks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from . import bench, eval, generate, push, report, schedule
+from .common import UsageError, quiet_libraries
+
+__all__ = ["COMMANDS", "UsageError", "build_parser", "main"]
+
+#: modules whose ``add_parser(subparsers)`` registers subcommands, in help order
+COMMANDS = (generate, schedule, bench, eval, report, push)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hf-tokred",
+        description="Token reduction for Hugging Face Mamba / Mamba-2 models (UTRC and baselines).",
+        epilog="Example: hf-tokred generate --model bundled:mamba --flops-reduction 0.2",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="show library logs, progress bars and full tracebacks")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for module in COMMANDS:
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.verbose:
+        quiet_libraries()
+    try:
+        return args.func(args)
+    except UsageError as err:
+        print(f"hf-tokred {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except (FileNotFoundError, OSError) as err:  # a model or data file that cannot be found or read
+        if args.verbose:
+            raise
+        print(f"hf-tokred {args.command}: error: {err}", file=sys.stderr)
+        return 1
+    except (ValueError, TypeError) as err:  # invalid input found deeper down (settings, shapes, lengths)
+        if args.verbose:
+            raise
+        print(f"hf-tokred {args.command}: error: {err}", file=sys.stderr)
+        return 2

@@ -1,0 +1,165 @@
+"""The wrappers installed around transformers' ``forward`` and ``generate`` of the supported classes.
+
+Each wrapper runs the stock code when the model has no token-reduction settings, and the reducing loop
+(:mod:`hf_tokred.loop`) otherwise.  ``install()`` puts them in place and ``uninstall()`` removes them.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .loop import check_shapes, generation_prompt, reduced_backbone
+from .outputs import TokenReductionCausalLMOutput, TokenReductionModelOutput, computed_mask, scatter_to_positions
+from .settings import active
+
+__all__ = ["backbone_forward", "generate", "lm_forward", "reduced_loss"]
+
+_BACKBONE_KEYS = (
+    "input_ids", "inputs_embeds", "cache", "use_cache", "output_hidden_states", "attention_mask", "protected_mask"
+)
+
+
+def _bind(signature: inspect.Signature, self, args, kwargs) -> dict[str, Any]:
+    bound = signature.bind(self, *args, **kwargs)
+    bound.apply_defaults()
+    params = dict(bound.arguments)
+    params.pop("self")
+    extra = params.pop("kwargs", {})
+    if "cache_params" in extra:  # deprecated alias transformers still accepts
+        params["cache"] = extra.pop("cache_params")
+    return {**params, **extra}
+
+
+def _length(p: dict) -> int:
+    return (p["input_ids"] if p["input_ids"] is not None else p["inputs_embeds"]).shape[1]
+
+
+def backbone_forward(original):
+    """``MambaModel.forward`` / ``Mamba2Model.forward``: hidden states aligned with the input positions."""
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def forward(self, *args, **kwargs):
+        settings = active(self)
+        if settings is None:
+            kwargs.pop("protected_mask", None)  # nothing is reduced, so every position survives
+            return original(self, *args, **kwargs)
+        p = _bind(signature, self, args, kwargs)
+        return_dict = p.pop("return_dict")
+        return_dict = return_dict if return_dict is not None else self.config.return_dict
+        r = reduced_backbone(self, *settings, **p)
+        N = _length(p)
+        out = TokenReductionModelOutput(
+            last_hidden_state=scatter_to_positions(r.hidden, r.positions, N), cache=r.cache,
+            hidden_states=r.all_hidden, computed_mask=computed_mask(r.positions, N), kept_positions=r.positions,
+            plans=r.plans,
+        )
+        if not return_dict:
+            return tuple(v for v in (out.last_hidden_state, out.cache, out.hidden_states) if v is not None)
+        return out
+
+    forward._hf_tokred_original = original
+    return forward
+
+
+def reduced_loss(model, logits, labels, positions, loss_kwargs) -> torch.Tensor:
+    """Next-token loss of a reduced forward: the mean over the labelled positions that were computed.
+
+    ``num_items_in_batch`` (what ``Trainer`` passes: the labelled positions of the whole accumulated batch) is
+    made consistent with that meaning: this batch's mean is weighted by its share of the labelled positions, so
+    the sum over accumulation steps is the labelled-weighted mean of the per-batch means, and a single batch
+    reports exactly the mean over its computed labelled positions (never shrunk by the kept fraction).
+    """
+    shifted = F.pad(labels[:, 1:], (0, 1), value=-100).to(positions.device)
+    shift_labels = shifted.gather(1, positions.clamp_min(0)).masked_fill(positions < 0, -100)
+    loss_kwargs = dict(loss_kwargs)
+    total = loss_kwargs.pop("num_items_in_batch", None)
+    loss = model.loss_function(
+        logits=logits, labels=None, shift_labels=shift_labels, vocab_size=model.config.vocab_size, **loss_kwargs
+    )
+    if total is not None:
+        share = (shifted != -100).sum().to(loss.device, loss.dtype)
+        loss = loss * share / (total.to(loss.device, loss.dtype) if torch.is_tensor(total) else float(total))
+    return loss
+
+
+def _logits(head, r, every, N: int, logits_to_keep, compact: bool) -> torch.Tensor:
+    """The logits a caller asked for: aligned with the input positions (NaN where not computed), or compact."""
+    M = r.hidden.shape[1]
+    if not isinstance(logits_to_keep, int):
+        return scatter_to_positions(every, r.positions, N)[:, logits_to_keep]
+    # the same positions as transformers' slice(-logits_to_keep, None): [start, N)
+    start = max(N - logits_to_keep, 0) if logits_to_keep > 0 else min(-logits_to_keep, N)
+    cols = min(N - start, M)  # kept positions >= start are the last columns
+    part = every[:, M - cols :] if every is not None else head(r.hidden[:, M - cols :])
+    # compact: only what was computed ([B, cols, V], column j at input position kept_positions[:, M-cols+j]),
+    # so a full-logits forward allocates the reduced length, not a NaN-filled [B, N, V]
+    return part if compact else scatter_to_positions(part, r.positions[:, M - cols :], N - start, offset=start)
+
+
+def lm_forward(original):
+    """``MambaForCausalLM.forward`` / ``Mamba2ForCausalLM.forward``: logits mapped back to the input positions."""
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def forward(self, *args, **kwargs):
+        settings = active(self)
+        compact = kwargs.pop("compact_logits", False)
+        if settings is None:
+            kwargs.pop("protected_mask", None)  # every position is computed: compact and aligned logits agree
+            return original(self, *args, **kwargs)
+        p = _bind(signature, self, args, kwargs)
+        labels, logits_to_keep = p.pop("labels"), p.pop("logits_to_keep")
+        if compact and not isinstance(logits_to_keep, int):
+            raise ValueError("compact_logits=True takes an int logits_to_keep (0 = every computed position); "
+                             "select positions from the compact logits with kept_positions instead")
+        return_dict = p.pop("return_dict")
+        return_dict = return_dict if return_dict is not None else self.config.return_dict
+        N = _length(p)
+        if labels is not None:
+            check_shapes((p["input_ids"] if p["input_ids"] is not None else p["inputs_embeds"]).shape[0], N, labels,
+                         None)
+        loss_kwargs = {k: v for k, v in p.items() if k not in _BACKBONE_KEYS}
+        r = reduced_backbone(self.backbone, *settings, **{k: p.get(k) for k in _BACKBONE_KEYS})
+        head = lambda h: self.lm_head(h.to(self.lm_head.weight.dtype)).float()  # noqa: E731
+        every = head(r.hidden) if labels is not None or not isinstance(logits_to_keep, int) else None
+        logits = _logits(head, r, every, N, logits_to_keep, compact)
+        loss = reduced_loss(self, every, labels, r.positions, loss_kwargs) if labels is not None else None
+        if not return_dict:
+            out = tuple(v for v in (logits, r.cache, r.all_hidden) if v is not None)
+            return ((loss,) + out) if loss is not None else out
+        return TokenReductionCausalLMOutput(loss=loss, logits=logits, cache=r.cache, hidden_states=r.all_hidden,
+                                            computed_mask=computed_mask(r.positions, N), kept_positions=r.positions,
+                                            plans=r.plans)
+
+    forward._hf_tokred_original = original
+    return forward
+
+
+def generate(original):
+    """``generate()`` on a reducing model reduces the prompt only, with or without a cache (a no-cache step
+    re-runs prompt + generated tokens; the generated tokens are kept as they are), and takes
+    ``protected_mask [batch, prompt length]`` for the prompt."""
+
+    @functools.wraps(original)
+    def wrapper(self, inputs=None, *args, protected_mask=None, **kwargs):
+        if active(self) is None:  # nothing is reduced: every position survives anyway
+            return original(self, inputs, *args, **kwargs)
+        prompt = next((x for x in (inputs, kwargs.get("input_ids"), kwargs.get("inputs_embeds")) if x is not None), None)
+        if prompt is None:
+            return original(self, inputs, *args, **kwargs)
+        if protected_mask is not None:
+            protected_mask = torch.as_tensor(protected_mask)
+            if tuple(protected_mask.shape) != tuple(prompt.shape[:2]):
+                raise ValueError(f"protected_mask must have the prompt's shape {tuple(prompt.shape[:2])} "
+                                 f"(batch, prompt length), got {tuple(protected_mask.shape)}")
+        with generation_prompt(prompt.shape[1], protected_mask):
+            return original(self, inputs, *args, **kwargs)
+
+    wrapper._hf_tokred_original = original
+    return wrapper

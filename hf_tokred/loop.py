@@ -1,0 +1,204 @@
+"""The reducing layer loop, shared by every family: blocks run one by one, anchors shrink the sequence between them.
+
+At an anchor the block is split into its two branches (``residual`` and ``h = mixer(norm(x))``); a plan is made
+once from ``h`` and applied to both before they are added.  The attention mask, the protected positions and the
+map to input positions shrink with the sequence.  Inside ``generate()`` only the prompt is reduced: a no-cache
+step re-runs prompt + generated tokens, and the generated tokens are kept as they are, so ``use_cache`` changes
+speed only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers.cache_utils import DynamicCache
+
+from .compat import recurrent_mask
+from .config import ResolvedSchedule, TokenReductionConfig
+from .families import family_of
+from .ops import fused_apply_plan
+from .outputs import ReductionRecord, current_recorder
+from .reduce import Plan, apply_plan_pair, extend_plan, make_plan, merge_weights, reduce_along
+
+__all__ = ["Reduced", "check_shapes", "generation_prompt", "reduced_backbone"]
+
+
+@dataclass(frozen=True)
+class _Prompt:
+    """Set while ``generate()`` runs on a reducing model: the prompt's length and the caller's protected mask."""
+
+    length: int
+    protected_mask: torch.Tensor | None
+
+
+_GENERATION: contextvars.ContextVar = contextvars.ContextVar("hf_tokred_generation", default=None)
+
+
+@contextlib.contextmanager
+def generation_prompt(length: int, protected_mask: torch.Tensor | None):
+    """Within the block, reducing forwards reduce only the first ``length`` positions (the prompt)."""
+    token = _GENERATION.set(_Prompt(length, protected_mask))
+    try:
+        yield
+    finally:
+        _GENERATION.reset(token)
+
+
+@dataclass
+class Reduced:
+    hidden: torch.Tensor  # [B, M, D] after norm_f
+    positions: torch.Tensor  # [B, M] input position of each column, -1 for padding
+    cache: Any
+    all_hidden: tuple | None
+    plans: tuple
+
+
+def check_shapes(B: int, N: int, labels, attention_mask) -> None:
+    """Labels and attention mask must match the input's ``(batch, length)``: checked before any work is done."""
+    if labels is not None and tuple(labels.shape) != (B, N):
+        raise ValueError(f"labels must have the shape of input_ids {(B, N)} (batch, sequence); got "
+                         f"{tuple(labels.shape)}. Pass one label per input position (-100 where nothing is scored).")
+    if attention_mask is not None and (attention_mask.dim() != 2 or attention_mask.shape[0] != B
+                                       or attention_mask.shape[1] < N):
+        raise ValueError(f"attention_mask must have shape (batch, length) = {(B, N)} for input of that shape; got "
+                         f"{tuple(attention_mask.shape)}")
+
+
+def _protected_for(mask: torch.Tensor, B: int, prefix: int, N: int) -> torch.Tensor:
+    """A caller's ``protected_mask [b, prefix]`` as ``[B, N]`` bool: rows repeated when generate expanded the batch
+    (beams, ``num_return_sequences``), columns after the prompt False."""
+    if mask.dim() != 2 or mask.shape[1] != prefix or B % max(mask.shape[0], 1):
+        raise ValueError(f"protected_mask must have shape (batch, sequence) = {(B, prefix)}, got {tuple(mask.shape)}")
+    mask = mask.to(torch.bool).repeat_interleave(B // mask.shape[0], dim=0)
+    return F.pad(mask, (0, N - prefix), value=False)
+
+
+def _is_fresh(cache) -> bool:
+    if cache is None:
+        return True
+    try:
+        return not cache.has_previous_state()
+    except ValueError:  # a cache without linear-attention layers holds no state yet
+        return True
+
+
+def _apply_both(residual, h, plan: Plan, cfg: TokenReductionConfig) -> torch.Tensor:
+    """Reduce both branches with one plan and add them: one fused Triton kernel on CUDA, torch elsewhere."""
+    if h.device.type == "cuda":
+        take = lambda x: x.gather(1, plan.src[..., None].expand(-1, -1, x.shape[-1]))  # noqa: E731
+        w_res, w_hid = (merge_weights(plan, st, cfg.q, take(x) if st == "hybrid_channel" else None)
+                        for x, st in ((residual, cfg.residual), (h, cfg.hidden)))
+        return fused_apply_plan(residual, h, plan.keep, plan.keep_mask, plan.src, plan.dst_slot, w_res, w_hid)
+    return apply_plan_pair(residual, h, plan, cfg.residual, cfg.hidden, cfg.q)
+
+
+def _anchor_block(block, hidden, cache, layer_mask, real, protected, cfg, keep_ratio, mixer_kwargs, prefix, timer):
+    """One anchor block, split into its two branches so each can be reduced before they are added.
+
+    Only the first ``prefix`` columns (the prompt, when a no-cache ``generate`` re-runs prompt + generated tokens)
+    are planned over; the columns after them are kept as they are, exactly as with a cache.
+    """
+    residual = hidden
+    h = block.norm(hidden.to(dtype=block.norm.weight.dtype))
+    if block.residual_in_fp32:
+        residual = residual.to(torch.float32)
+    h = block.mixer(h, cache=cache, attention_mask=layer_mask, **mixer_kwargs)
+    with torch.no_grad(), timer("plan"):
+        spec = cfg.spec
+        plan = make_plan(h[:, :prefix].detach(), real[:, :prefix], protected[:, :prefix], keep_ratio, spec.selection,
+                         cfg.metric, spec.pairs)
+        if plan is not None and prefix < h.shape[1]:
+            plan = extend_plan(plan, prefix, h.shape[1])
+    if plan is None:
+        return residual + h, None
+    with timer("apply"):
+        return _apply_both(residual, h, plan, cfg), plan
+
+
+def _initial_protection(real: torch.Tensor, prefix: int, extra_masks) -> torch.Tensor:
+    """The last real token of every row (of the prompt) always survives (next-token logits and the decode cache
+    need it), plus the callers' protected positions."""
+    B, N = real.shape
+    ar = torch.arange(N, device=real.device)
+    last = torch.where(real & (ar < prefix), ar, -1).max(1).values
+    protected = real & (ar[None, :] == last[:, None])
+    for extra in extra_masks:
+        if extra is not None:
+            protected |= _protected_for(extra, B, prefix, N).to(real.device) & real
+    return protected
+
+
+def reduced_backbone(backbone, cfg: TokenReductionConfig, schedule: ResolvedSchedule, input_ids=None,
+                     inputs_embeds=None, cache=None, use_cache=None, output_hidden_states=None, attention_mask=None,
+                     protected_mask=None, **kwargs) -> Reduced:
+    """The backbone's forward with reduction after the schedule's anchors (the stock loop otherwise)."""
+    config = backbone.config
+    family = family_of(config)
+    output_hidden_states = output_hidden_states if output_hidden_states is not None else config.output_hidden_states
+    use_cache = use_cache if use_cache is not None else (config.use_cache if not backbone.training else False)
+    if (input_ids is None) ^ (inputs_embeds is not None):
+        raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+    if inputs_embeds is None:
+        inputs_embeds = backbone.embeddings(input_ids)
+    if backbone.gradient_checkpointing and backbone.training and use_cache:
+        use_cache = False
+    if use_cache and cache is None:
+        cache = DynamicCache(config=config)
+
+    B, N = inputs_embeds.shape[:2]
+    device = inputs_embeds.device
+    check_shapes(B, N, None, attention_mask)
+    layer_mask = recurrent_mask(config, inputs_embeds, attention_mask, cache)
+    reducing = N > 1 and _is_fresh(cache)
+    prompt = _GENERATION.get()
+    prefix = N if prompt is None else min(prompt.length, N)
+    if reducing:
+        if attention_mask is not None and attention_mask.shape[1] != N:
+            raise ValueError(f"attention_mask must have shape (batch, length) = {(B, N)} for a forward without a "
+                             f"cache; got {tuple(attention_mask.shape)}")
+        real = (torch.ones(B, N, dtype=torch.bool, device=device) if attention_mask is None
+                else attention_mask.to(device=device, dtype=torch.bool))
+        protected = _initial_protection(real, prefix, (protected_mask, None if prompt is None else
+                                                       prompt.protected_mask))
+    positions = torch.arange(N, device=device).expand(B, N)
+    mixer_kwargs = kwargs if family.mixer_takes_kwargs else {}
+    anchors = set(schedule.anchors) if reducing and prefix > 1 else set()
+    recorder = current_recorder() if reducing else None
+    record = ReductionRecord() if recorder is not None else None
+    timer = (lambda what: recorder.timed(record, what, device)) if recorder else (lambda what: contextlib.nullcontext())
+
+    hidden = inputs_embeds
+    all_hidden = () if output_hidden_states else None
+    plans, lengths = [], []
+    for i, block in enumerate(backbone.layers):
+        if record is not None:
+            lengths.append(real.sum(1))
+        if i in anchors:
+            hidden, plan = _anchor_block(block, hidden, cache, layer_mask, real, protected, cfg, schedule.keep_ratio,
+                                         mixer_kwargs, prefix, timer)
+            if plan is not None:
+                plans.append((i, plan))
+                prefix = plan.keep.shape[1] - (real.shape[1] - prefix)  # the suffix columns are all kept
+                real = reduce_along(real, plan, False)
+                protected = reduce_along(protected, plan, False)
+                positions = reduce_along(positions, plan, -1)
+                layer_mask = None if bool(real.all()) else real.to(torch.long)
+        else:
+            hidden = block(hidden, cache=cache, attention_mask=layer_mask, **kwargs)
+        if output_hidden_states:
+            all_hidden += (hidden,)
+    hidden = backbone.norm_f(hidden)
+    if output_hidden_states:
+        all_hidden += (hidden,)
+    if record is not None:
+        record.input_lengths = lengths[0].tolist()
+        record.layer_lengths = torch.stack(lengths, 1).tolist()
+        record.anchors = [a for a, _ in plans]
+        record.kept_positions = [p[r].tolist() for p, r in zip(positions, real)]
+        recorder.records.append(record)
+    return Reduced(hidden, positions, cache if use_cache else None, all_hidden, tuple(plans))
