@@ -135,11 +135,20 @@ def _plan_with_sources(n_src: int, scores: list[float]) -> tuple[Plan, torch.Ten
     return plan, torch.randn(1, n, 3, generator=torch.Generator().manual_seed(n_src))
 
 
-@pytest.mark.parametrize("q, n_src, merged", [(0.8, 5, 1), (0.6, 5, 2), (0.7, 10, 3), (0.9, 10, 1), (0.2, 5, 4),
-                                              (0.0, 5, 5), (1.0, 5, 0), (0.5, 3, 1), (0.3, 10, 7)])
+FLOAT32_GUARD_BUG = pytest.mark.xfail(
+    strict=True, reason="bug (reported): reduce._merge_weights computes r * (1 - q) as an int tensor times a float, "
+    "i.e. in float32, where its + 1e-9 rounding guard is below one ulp: 22 * (1 - 9/22) is 12.999999 and floors to 12")
+
+
+@pytest.mark.parametrize("q, n_src, merged", [
+    (0.8, 5, 1), (0.6, 5, 2), (0.7, 10, 3), (0.9, 10, 1), (0.2, 5, 4), (0.0, 5, 5), (1.0, 5, 0), (0.5, 3, 1),
+    (0.3, 10, 7), (5 / 6, 12, 2), (0.8, 20, 4),
+    pytest.param(9 / 22, 22, 13, marks=FLOAT32_GUARD_BUG), pytest.param(16 / 23, 23, 7, marks=FLOAT32_GUARD_BUG),
+    pytest.param(14 / 29, 29, 15, marks=FLOAT32_GUARD_BUG)])
 def test_hybrid_merge_count_rounding_guard(q, n_src, merged):
     """The hybrid strategies merge floor(r (1 - q)) of r sources, computed exactly: q = 0.8 with 5 sources merges 1
-    (5 * (1 - 0.8) is 0.9999999999999998 in floats), for the token-level and the per-channel hybrid alike."""
+    (5 * (1 - 0.8) is 0.9999999999999998 in doubles), q = 9/22 with 22 sources merges 13 (12.999999 in float32),
+    for the token-level and the per-channel hybrid alike."""
     assert documented_merge_count(n_src, q) == merged
     scores = [float(v) for v in torch.randperm(n_src, generator=torch.Generator().manual_seed(1))]
     plan, x = _plan_with_sources(n_src, scores)
