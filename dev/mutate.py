@@ -49,51 +49,49 @@ ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT
 
 
-def _first_existing(*paths: str) -> tuple[str, ...]:
-    """Where the module may live (the package layout moved: hf_tokred/scan.py -> hf_tokred/ops/scan.py)."""
-    return paths
-
-
 @dataclass(frozen=True)
 class Target:
-    paths: tuple[str, ...] | str
+    path: str
     functions: tuple[str, ...]  # qualified names ("Class.method", "outer"); () = the whole module
     tests: tuple[str, ...]
 
-    @property
-    def path(self) -> str:
-        """The module's path in the tree under test."""
-        paths = (self.paths,) if isinstance(self.paths, str) else self.paths
-        return next((p for p in paths if (SRC / p).exists()), paths[0])
 
-
-# The modules of the core, the functions mutated in each, and the tests that cover them.
-_MODEL_TESTS = ("tests/test_model.py", "tests/test_oracles.py", "tests/test_batch.py",
-                "tests/test_kernels.py::test_reducing_model_cuda_branch", "tests/test_properties.py")
+# The modules of the core, the functions mutated in each, and the tests that cover them (fast, discriminating
+# files first: a run stops at the first failure).
+_LOOP_TESTS = ("tests/test_model.py", "tests/test_oracles.py::test_reduced_backward_equals_slow_reference",
+               "tests/test_oracles.py::test_dense_backward_equals_stock_in_a_fresh_process",
+               "tests/test_kernels.py::test_reducing_model_cuda_branch", "tests/test_properties.py", "tests/test_batch.py",
+               "tests/test_reliability.py")
+_SCAN_TESTS = ("tests/test_scan.py", "tests/test_oracles.py", "tests/test_fastpath.py")
 TARGETS = {
     "reduce": Target("hf_tokred/reduce.py", (), (
         "tests/test_reduce.py", "tests/test_properties.py", "tests/test_kernels.py", "tests/test_model.py",
-        "tests/test_oracles.py::test_reduced_backward_equals_slow_reference", "tests/test_batch.py")),
-    "patch": Target("hf_tokred/patch.py", (
-        "_anchor_block", "_apply_both", "_reduced_backbone", "_protected_for", "_scatter_to_positions",
-        "_computed_mask", "_reduced_loss", "_patch_lm_forward"), _MODEL_TESTS),
-    "scan": Target(_first_existing("hf_tokred/ops/scan.py", "hf_tokred/scan.py"), (), (
-        "tests/test_scan.py", "tests/test_oracles.py", "tests/test_fastpath.py")),
-    "cpu_kernel": Target(_first_existing("hf_tokred/ops/cpu.py", "hf_tokred/cpu_kernel.py"), ("_or_empty", "selective_scan_cpu", "causal_conv1d_cpu",
-                                                     "grid_argmax"), (
-        "tests/test_fastpath.py", "tests/test_oracles.py", "tests/test_scan.py", "tests/test_reduce.py")),
+        "tests/test_reference_parity.py", "tests/test_oracles.py::test_reduced_backward_equals_slow_reference",
+        "tests/test_batch.py")),
+    "loop": Target("hf_tokred/loop.py", (
+        "check_shapes", "_protected_for", "_is_fresh", "_apply_both", "_anchor_block", "_initial_protection",
+        "reduced_backbone"), _LOOP_TESTS),
+    "forwards": Target("hf_tokred/forwards.py", ("reduced_loss", "_logits", "lm_forward", "backbone_forward"),
+                       _LOOP_TESTS),
+    "outputs": Target("hf_tokred/outputs.py", ("scatter_to_positions", "computed_mask"), _LOOP_TESTS),
+    "scan": Target("hf_tokred/ops/scan.py", (), _SCAN_TESTS),
+    "cpu": Target("hf_tokred/ops/cpu.py", ("_or_empty", "selective_scan_cpu", "causal_conv1d_cpu", "grid_argmax"),
+                  (*_SCAN_TESTS, "tests/test_reduce.py")),
+    "csrc": Target("hf_tokred/ops/csrc/selective_scan_cpu.cpp", (), (*_SCAN_TESTS, "tests/test_reduce.py")),
     "flops": Target("hf_tokred/flops.py", (
-        "FlopsBreakdown.total", "FlopsBreakdown.matmul", "FlopsBreakdown.__add__", "_int", "_lengths",
-        "_lm_head_positions", "_mamba1_layer", "_mamba2_layer", "layer_flops", "model_flops", "flops_reduction",
-        "proxy_flops_reduction"), ("tests/test_flops.py",)),
+        "_int", "_lengths", "_lm_head_positions", "layer_flops", "model_flops", "flops_reduction",
+        "measured_proxy_reduction"), ("tests/test_flops.py",)),
+    "families": Target("hf_tokred/families.py", (  # the per-layer FLOPs formulas
+        "FlopsBreakdown.total", "FlopsBreakdown.matmul", "FlopsBreakdown.__add__", "mamba1_layer_flops",
+        "mamba2_layer_flops"), ("tests/test_flops.py",)),
     "config": Target("hf_tokred/config.py", (
-        "default_anchors", "proxy_flops_reduction", "solve_keep_ratio", "TokenReductionConfig.__post_init__",
+        "default_anchors", "proxy_flops_reduction", "schedule_fractions", "schedule_proxy_reduction", "removal_count",
+        "solve_keep_ratio", "ResolvedSchedule.layer_lengths", "TokenReductionConfig.__post_init__",
         "TokenReductionConfig._check_anchors", "TokenReductionConfig.min_keep_ratio", "TokenReductionConfig.hidden",
         "TokenReductionConfig.residual", "TokenReductionConfig.resolve", "_check_depth", "_real"), (
-        "tests/test_config.py", "tests/test_properties.py", "tests/test_model.py", "tests/test_batch.py")),
+        "tests/test_reduce.py", "tests/test_config.py", "tests/test_properties.py", "tests/test_model.py",
+        "tests/test_batch.py", "tests/test_reliability.py")),
 }
-TARGETS["csrc"] = Target(_first_existing("hf_tokred/ops/csrc/selective_scan_cpu.cpp", "hf_tokred/csrc/selective_scan_cpu.cpp"),
-                         (), TARGETS["cpu_kernel"].tests)
 
 
 @dataclass(frozen=True)
@@ -117,14 +115,14 @@ PLANTED = [  # (id, module, old, new, what it models)
      "the gradient of D is dropped (the audit's survivor)"),
     ("z-gate-grad-dropped", "scan", "y = y * F.silu(z.float())", "y = y * F.silu(z.float()).detach()",
      "the gradient through the gate is dropped"),
-    ("bias-grad-dropped", "scan", "dt = dt + delta_bias.float()[:, None]", "dt = dt + delta_bias.detach().float()[:, None]",
-     "the gradient of the dt bias is dropped"),
+    ("bias-grad-dropped", "scan", "dt = dt + delta_bias.float()[:, None]",
+     "dt = dt + delta_bias.detach().float()[:, None]", "the gradient of the dt bias is dropped"),
     ("carry-decay-last", "scan", "next_state = (decay[:, -1] * state)", "next_state = (decay[:, -2] * state)",
      "the carried state uses the wrong step's decay"),
-    ("keep-guard-removed", "reduce", "torch.ceil(n * keep_ratio - 1e-9)", "torch.ceil(n * keep_ratio)",
-     "the rounding guard of num_to_remove is removed"),
-    ("keep-guard-wrong-side", "reduce", "torch.ceil(n * keep_ratio - 1e-9)", "torch.ceil(n * keep_ratio + 1e-9)",
-     "the rounding guard pushes the wrong way"),
+    ("keep-guard-removed", "config", "keep = math.ceil(n * keep_ratio - 1e-9)", "keep = math.ceil(n * keep_ratio)",
+     "the rounding guard of the removal count is removed"),
+    ("keep-guard-wrong-side", "config", "keep = math.ceil(n * keep_ratio - 1e-9)",
+     "keep = math.ceil(n * keep_ratio + 1e-9)", "the rounding guard pushes the wrong way"),
     ("merge-guard-removed", "reduce", "n_merge = torch.floor(valid.sum(1) * (1.0 - q) + 1e-9)",
      "n_merge = torch.floor(valid.sum(1) * (1.0 - q))", "the hybrid merge count loses its rounding guard"),
     ("channel-guard-removed", "reduce", "k = torch.floor(valid.sum(1) * (1.0 - q) + 1e-9)",
@@ -136,37 +134,37 @@ PLANTED = [  # (id, module, old, new, what it models)
     ("hybrid-least-important-merge", "reduce", "plan.src_score.masked_fill(~valid, -math.inf), dim=1, descending=True",
      "plan.src_score.masked_fill(~valid, math.inf), dim=1, descending=False",
      "hybrid merges the least important sources instead of the most important"),
-    ("pair-strategies-swapped", "reduce",
-     "weights = [_merge_weights(plan, st, q, None) for st in (strategy_a, strategy_b)]",
-     "weights = [_merge_weights(plan, st, q, None) for st in (strategy_b, strategy_a)]",
+    ("pair-strategies-swapped", "reduce", "for x, st in branches]", "for (x, _), st in zip(branches, [s for _, s in branches][::-1])]",
      "the CPU two-branch apply swaps the branches' strategies"),
     ("merge-den-dropped", "reduce", "val = acc.div_(den).to(x.dtype)", "val = acc.to(x.dtype)",
      "the CPU two-branch apply forgets to normalise merged rows"),
-    ("cuda-branch-swapped", "patch", "fused_apply_plan(residual, h, plan, cfg.residual, cfg.hidden, cfg.q)",
-     "fused_apply_plan(residual, h, plan, cfg.hidden, cfg.residual, cfg.q)",
+    ("cuda-branch-swapped", "loop", "for x, st in ((residual, cfg.residual), (h, cfg.hidden)))",
+     "for x, st in ((residual, cfg.hidden), (h, cfg.residual)))",
      "the anchor's CUDA branch swaps the two branches' strategies (the audit's survivor)"),
-    ("cuda-branch-q", "patch", "fused_apply_plan(residual, h, plan, cfg.residual, cfg.hidden, cfg.q)",
-     "fused_apply_plan(residual, h, plan, cfg.residual, cfg.hidden, 1 - cfg.q)", "the CUDA branch inverts q"),
-    ("cpu-branch-swapped", "patch", "apply_plan_pair(residual, h, plan, cfg.residual, cfg.hidden, cfg.q)",
+    ("cuda-branch-q", "loop", "merge_weights(plan, st, cfg.q,", "merge_weights(plan, st, 1 - cfg.q,",
+     "the CUDA branch inverts q"),
+    ("cpu-branch-swapped", "loop", "apply_plan_pair(residual, h, plan, cfg.residual, cfg.hidden, cfg.q)",
      "apply_plan_pair(residual, h, plan, cfg.hidden, cfg.residual, cfg.q)",
      "the anchor's CPU branch swaps the two branches' strategies"),
-    ("plan-on-residual", "patch", "plan = make_plan(h[:, :prefix].detach()", "plan = make_plan(residual[:, :prefix].detach()",
+    ("plan-on-residual", "loop", "plan = make_plan(h[:, :prefix].detach()", "plan = make_plan(residual[:, :prefix].detach()",
      "the plan is made from the residual instead of the mixer output"),
-    ("anchor-mixer-detached", "patch", "h = block.mixer(h, cache=cache, attention_mask=layer_mask, **mixer_kwargs)",
+    ("anchor-mixer-detached", "loop", "h = block.mixer(h, cache=cache, attention_mask=layer_mask, **mixer_kwargs)",
      "h = block.mixer(h, cache=cache, attention_mask=layer_mask, **mixer_kwargs).detach()",
      "the anchor block's mixer output carries no gradient"),
-    ("flops-dt-bias-dropped", "flops", "proj_ew = tokens * D + tokens * d", "proj_ew = tokens * d",
+    ("loss-label-unshifted", "forwards", "shifted = F.pad(labels[:, 1:], (0, 1), value=-100)",
+     "shifted = labels", "the reduced loss scores each position's own token instead of the next"),
+    ("flops-dt-bias-dropped", "families", "proj_ew = tokens * D + tokens * d", "proj_ew = tokens * d",
      "Mamba-1: the dt_proj bias add is not counted (the audit's survivor)"),
-    ("flops-gate-dropped", "flops", "scan_ew = 7 * tokens * D * N + 2 * tokens * D + tokens * D",
+    ("flops-gate-dropped", "families", "scan_ew = 7 * tokens * D * N + 2 * tokens * D + tokens * D",
      "scan_ew = 7 * tokens * D * N + 2 * tokens * D", "Mamba-1: the gate multiply is not counted"),
-    ("flops-dskip-dropped", "flops", "scan_ew = 7 * tokens * D * N + 2 * tokens * D + tokens * D",
+    ("flops-dskip-dropped", "families", "scan_ew = 7 * tokens * D * N + 2 * tokens * D + tokens * D",
      "scan_ew = 7 * tokens * D * N + tokens * D", "Mamba-1: the D skip is not counted"),
-    ("flops-xdt-dropped", "flops", "+ L * D  # x * dt", "+ 0  # x * dt", "Mamba-2: x * dt is not counted"),
-    ("flops-segsum-dropped", "flops", "+ H * (nc + 1) ** 2  # inter-chunk", "+ 0  # inter-chunk",
+    ("flops-xdt-dropped", "families", "+ L * D  # x * dt", "+ 0  # x * dt", "Mamba-2: x * dt is not counted"),
+    ("flops-segsum-dropped", "families", "+ H * (nc + 1) ** 2  # inter-chunk", "+ 0  # inter-chunk",
      "Mamba-2: the inter-chunk segment sum is not counted"),
-    ("flops-gated-norm", "flops", "norm = 4 * tokens * d + 5 * tokens * D", "norm = 4 * tokens * d + 4 * tokens * D",
+    ("flops-gated-norm", "families", "norm = 4 * tokens * d + 5 * tokens * D", "norm = 4 * tokens * d + 4 * tokens * D",
      "Mamba-2: the gated norm's gate multiply is not counted"),
-    ("flops-residual-dropped", "flops", "proj_ew = tokens * d  # residual add", "proj_ew = 0  # residual add",
+    ("flops-residual-dropped", "families", "proj_ew = tokens * d  # residual add", "proj_ew = 0  # residual add",
      "Mamba-2: the residual add is not counted"),
     # the C++ kernels (each one rebuilds the extension)
     ("cpp-D-skip-dropped", "csrc", "const float o = acc[j] + dsk[j] * x[j];", "const float o = acc[j];",
