@@ -367,3 +367,35 @@ def test_compiled_grid_argmax_equals_torch_path(monkeypatch):
             plain = reduce_mod._best_cosine(xa, xb)
         assert torch.equal(fused[0], plain[0]) and torch.equal(fused[1], plain[1])
         assert not bool((fused[1] == 9).any())  # column 9 duplicates column 5: a tie goes to the first
+
+
+@pytest.mark.parametrize("selection", ["importance_similarity", "bipartite"])
+def test_select_takes_a_removal_count_per_row(selection):
+    """``select`` removes r[g] tokens from row g (rows of one call may differ): each row's links equal the slow
+    reference's for that row's own count."""
+    torch.manual_seed(21)
+    h = torch.randn(3, 12, 6)
+    protected = torch.zeros(3, 12, dtype=torch.bool)
+    protected[:, -1] = True
+    r = torch.tensor([1, 4, 2])
+    sel = select(selection, h, protected, r, "clip")
+    slow = slow_paper_selection if selection == "importance_similarity" else slow_bipartite_selection
+    for b in range(3):
+        got = [(int(s), int(d)) for s, d, ok in zip(sel.src[b], sel.dst[b], sel.valid[b]) if ok]
+        assert got == slow(h[b], protected[b].tolist(), int(r[b]), "clip"), b
+
+
+def test_compiled_grid_argmax_is_used_only_where_it_applies():
+    """The compiled similarity pass takes fp32 CPU tensors without gradients (its documented contract); anything
+    else gets ``None`` and the torch ops."""
+    import hf_tokred.reduce as reduce_mod
+
+    x = torch.zeros(2, 3, 4)
+    assert reduce_mod._cpu_grid_argmax(x) is not None
+    assert reduce_mod._cpu_grid_argmax(x.double()) is None
+    assert reduce_mod._cpu_grid_argmax(x.bfloat16()) is None
+    assert reduce_mod._cpu_grid_argmax(torch.zeros(2, 3, 4, device="meta")) is None
+    with torch.enable_grad():
+        assert reduce_mod._cpu_grid_argmax(x.clone().requires_grad_()) is None
+    with torch.no_grad():
+        assert reduce_mod._cpu_grid_argmax(x.clone().requires_grad_()) is not None
