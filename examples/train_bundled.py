@@ -491,15 +491,26 @@ def lr_at(step: int, total: int, peak: float, warmup: int, final_frac: float = 0
     return peak * (final_frac + (1 - final_frac) * 0.5 * (1 + math.cos(math.pi * p)))
 
 
-def get_batch(ids, step: int, seed: int, batch: int, seq: int):
-    """Random windows; depends only on (seed, step), so resumed runs see the same data."""
+def get_batch(ids, step: int, seed: int, batch: int, seq: int, repeat: float = 0.0):
+    """Random windows; depends only on (seed, step), so resumed runs see the same data.
+
+    With ``repeat`` > 0, that share of the rows is a window followed by its own repetition (text that recurs later
+    in a sequence is predictable from its first occurrence): it teaches the model to copy from its context, which
+    plain text of this size teaches slowly.
+    """
     import numpy as np
     import torch
 
     rng = np.random.default_rng([seed, step])
     starts = rng.integers(0, ids.size - seq - 1, size=batch)
-    x = np.stack([ids[s:s + seq + 1] for s in starts]).astype(np.int64)
-    return torch.from_numpy(x)
+    rows = []
+    for s in starts:
+        if rng.random() < repeat:
+            half = (seq + 1) // 2 + 1
+            rows.append(np.concatenate([ids[s:s + half], ids[s:s + half]])[:seq + 1])
+        else:
+            rows.append(ids[s:s + seq + 1])
+    return torch.from_numpy(np.stack(rows).astype(np.int64))
 
 
 def cmd_train(args):
@@ -578,7 +589,7 @@ def cmd_train(args):
             g["lr"] = lr
         loss_acc = 0.0
         for micro in range(args.accum):
-            batch = get_batch(ids, step * args.accum + micro, args.seed, args.batch, args.seq)
+            batch = get_batch(ids, step * args.accum + micro, args.seed, args.batch, args.seq, args.repeat)
             logits = model(input_ids=batch[:, :-1], use_cache=False).logits
             loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
                                                      batch[:, 1:].reshape(-1))
@@ -705,6 +716,8 @@ def main(argv=None):
     p.add_argument("--save-every", type=float, default=3.0, help="minutes between checkpoints")
     p.add_argument("--scan", choices=["cpp", "mambapy", "reference"], default="cpp",
                    help="Mamba-1 training scan implementation")
+    p.add_argument("--repeat", type=float, default=0.0,
+                   help="share of rows that are a window followed by its repetition (teaches copying)")
     p.add_argument("--resume", action="store_true")
     p.add_argument("--init-from", default="", help="ckpt.pt of a previous stage (weights only)")
     p.add_argument("--data", choices=["mixed", "boolq"], default="mixed",

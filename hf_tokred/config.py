@@ -44,6 +44,7 @@ class MethodSpec:
     residual: str  # strategy on the residual branch
     pairs: bool  # True when every removed token is matched to a kept one (removes at most half per anchor)
     summary: str
+    metric: str = "clip"  # the importance metric it uses unless the settings name one
 
 
 METHODS: dict[str, MethodSpec] = {
@@ -73,12 +74,14 @@ METHODS: dict[str, MethodSpec] = {
     ),
 }
 
-#: Importance metrics of the paper's Table 3 (all computed from the anchor block's mixer output).
+#: Importance metrics: the paper's Table 3 (from the anchor block's mixer output ``h``), and ``delta``.
 METRICS: dict[str, str] = {
-    "clip": "mean over channels of max(0, h) (paper Eq. 5, default)",
+    "clip": "mean over channels of max(0, h) (paper Eq. 5, the paper's methods' default)",
     "l1": "mean over channels of |h|",
     "l2": "L2 norm of h over channels",
     "noclip": "mean over channels of h",
+    "delta": "mean over the SSM's channels (Mamba) or heads (Mamba-2) of the anchor's step size softplus(dt): how "
+             "strongly the token writes into the recurrent state",
 }
 
 #: What a branch does with the selected tokens.
@@ -231,27 +234,33 @@ class TokenReductionConfig:
         flops_reduction: target FLOPs reduction in ``[0, 1)``, e.g. 0.1 / 0.2 / 0.3.
         keep_ratio: per-anchor keep ratio in ``(0, 1]`` (``[0.5, 1]`` for methods that pair tokens).
         anchors: strictly increasing block indices; checked against the model's depth when applied.
-        metric: importance metric, one of ``METRICS``.
+        metric: importance metric, one of ``METRICS`` (default: the method's own, ``clip`` for the paper's).
         q: share of the selected tokens that the hybrid strategy prunes (the rest are merged), in ``[0, 1]``.
         hidden_strategy / residual_strategy: override the method's strategy for a branch (ablations).
+        protect_recent: share of each sequence's most recent tokens that no anchor removes, in ``[0, 1)``.
     """
 
     method: str = "utrc"
     flops_reduction: float | None = None
     keep_ratio: float | None = None
     anchors: tuple[int, ...] | None = None
-    metric: str = "clip"
+    metric: str | None = None
     q: float = 0.5
     hidden_strategy: str | None = None
     residual_strategy: str | None = None
+    protect_recent: float = 0.0
 
     def __post_init__(self) -> None:
         _choice("method", self.method, METHODS)
-        _choice("metric", self.metric, METRICS)
+        if self.metric is not None:
+            _choice("metric", self.metric, METRICS)
         set_ = object.__setattr__
         set_(self, "q", _real("q", self.q))
         if not 0.0 <= self.q <= 1.0:
             raise ValueError(f"TokenReductionConfig.q must be in [0, 1], got {self.q}")
+        set_(self, "protect_recent", _real("protect_recent", self.protect_recent))
+        if not 0.0 <= self.protect_recent < 1.0:
+            raise ValueError(f"TokenReductionConfig.protect_recent must be in [0, 1), got {self.protect_recent}")
         for name in ("hidden_strategy", "residual_strategy"):
             if getattr(self, name) is not None:
                 _choice(name, getattr(self, name), STRATEGIES)
@@ -277,11 +286,6 @@ class TokenReductionConfig:
                 raise ValueError(f"TokenReductionConfig.keep_ratio must be in {interval}{why}, got {self.keep_ratio}")
         if self.anchors is not None:
             set_(self, "anchors", self._check_anchors(self.anchors))
-        if self.spec.selection == "importance" and {self.hidden, self.residual} != {"prune"}:
-            raise ValueError(
-                f"method {self.method!r} selects tokens without matching them to kept ones, so it can only prune: "
-                f"hidden_strategy and residual_strategy must be 'prune' (got {self.hidden!r}, {self.residual!r})"
-            )
 
     @staticmethod
     def _check_anchors(anchors: Any) -> tuple[int, ...]:
@@ -314,6 +318,11 @@ class TokenReductionConfig:
     @property
     def spec(self) -> MethodSpec:
         return METHODS[self.method]
+
+    @property
+    def importance_metric(self) -> str:
+        """The importance metric that runs: the one named in the settings, else the method's own."""
+        return self.metric or self.spec.metric
 
     @property
     def min_keep_ratio(self) -> float:

@@ -129,6 +129,30 @@ def mamba2_layer_flops(config: Any, L: int, B: int) -> FlopsBreakdown:
 
 
 
+# ----------------------------------------------------------------------------- the SSM's step sizes (the "delta" metric)
+
+
+def _softplus(x):
+    """``softplus`` with tensor methods only (this module imports no torch): ``log1p(exp(x))``, ``x`` above 20."""
+    return x.clamp(max=20.0).exp().log1p().where(x <= 20.0, x)
+
+
+def mamba1_delta(mixer, inputs, output):
+    """Mean step size per token from the output of ``mixer.x_proj`` (``[B, L, rank + 2N]``): ``softplus(dt_proj(
+    time_step))`` averaged over the SSM's channels -> ``[B, L]``."""
+    time_step = output[..., : mixer.time_step_rank].float()
+    dt = time_step @ mixer.dt_proj.weight.float().t() + mixer.dt_proj.bias.float()
+    return _softplus(dt).mean(-1)
+
+
+def mamba2_delta(mixer, inputs, output):
+    """Mean step size per token from the output of ``mixer.in_proj`` (its last ``num_heads`` columns are ``dt``):
+    ``softplus(dt + dt_bias)`` clamped to the mixer's limits, averaged over the heads -> ``[B, L]``."""
+    dt = _softplus(output[..., -mixer.num_heads:].float() + mixer.dt_bias.float())
+    low, high = mixer.time_step_limit
+    return dt.clamp(min=low, max=high).mean(-1)
+
+
 # ----------------------------------------------------------------------------- the table
 
 
@@ -143,6 +167,9 @@ class Family:
     config_class: str
     mixer_takes_kwargs: bool  # the block forwards **kwargs to its mixer (Mamba2Block does, MambaBlock does not)
     layer_flops: Callable[[Any, int, int], FlopsBreakdown]
+    #: the mixer submodule whose forward hook sees the step sizes, and how to read them (``[B, L]`` per token)
+    delta_source: str = ""
+    delta: Callable[[Any, Any, Any], Any] | None = None
     #: size name -> (hidden_size, num_hidden_layers) of the public checkpoints
     sizes: dict[str, tuple[int, int]] = field(default_factory=dict)
     #: config kwargs of a random model of hidden size ``d`` (besides hidden_size, layers, vocab, token ids)
@@ -157,14 +184,14 @@ def _mamba2_random(d: int, tiny: bool) -> dict:
 
 FAMILIES: dict[str, Family] = {
     "mamba": Family(
-        "mamba", "Mamba", "MambaForCausalLM", "MambaModel", "MambaConfig", False, mamba1_layer_flops,
-        {"tiny": (64, 12), "130m": (768, 24), "370m": (1024, 48), "790m": (1536, 48), "1.4b": (2048, 48),
+        "mamba", "Mamba", "MambaForCausalLM", "MambaModel", "MambaConfig", False, mamba1_layer_flops, "x_proj",
+        mamba1_delta, {"tiny": (64, 12), "130m": (768, 24), "370m": (1024, 48), "790m": (1536, 48), "1.4b": (2048, 48),
          "2.8b": (2560, 64)},
         lambda d, tiny: dict(state_size=16),
     ),
     "mamba2": Family(
-        "mamba2", "Mamba-2", "Mamba2ForCausalLM", "Mamba2Model", "Mamba2Config", True, mamba2_layer_flops,
-        {"tiny": (64, 12), "130m": (768, 24), "370m": (1024, 48), "780m": (1536, 48), "1.3b": (2048, 48),
+        "mamba2", "Mamba-2", "Mamba2ForCausalLM", "Mamba2Model", "Mamba2Config", True, mamba2_layer_flops, "in_proj",
+        mamba2_delta, {"tiny": (64, 12), "130m": (768, 24), "370m": (1024, 48), "780m": (1536, 48), "1.3b": (2048, 48),
          "2.7b": (2560, 64)},
         _mamba2_random,
     ),

@@ -97,7 +97,38 @@ def _apply_both(residual, h, plan: Plan, cfg: TokenReductionConfig) -> torch.Ten
     return apply_plan_pair(residual, h, plan, cfg.residual, cfg.hidden, cfg.q)
 
 
-def _anchor_block(block, hidden, cache, layer_mask, real, protected, cfg, keep_ratio, mixer_kwargs, prefix, timer):
+class _Captured:
+    def __init__(self, mixer, family) -> None:
+        self.mixer, self.family, self.value = mixer, family, None
+
+    def __call__(self, module, inputs, output) -> None:
+        with torch.no_grad():
+            self.value = self.family.delta(self.mixer, inputs, output)
+
+    def get(self) -> torch.Tensor:
+        if self.value is None:
+            raise RuntimeError("the 'delta' importance metric could not read the anchor mixer's step sizes (its "
+                               f"{self.family.delta_source} was not called: a fused training kernel?); run the model "
+                               "in eval mode, or use another metric")
+        return self.value
+
+
+@contextlib.contextmanager
+def _step_sizes(mixer, family, wanted: bool):
+    """While the mixer runs, capture the step sizes of its SSM (``[B, L]``; the families table says where)."""
+    if not wanted:
+        yield None
+        return
+    captured = _Captured(mixer, family)
+    handle = getattr(mixer, family.delta_source).register_forward_hook(captured)
+    try:
+        yield captured
+    finally:
+        handle.remove()
+
+
+def _anchor_block(block, family, hidden, cache, layer_mask, real, protected, cfg, keep_ratio, mixer_kwargs, prefix,
+                  timer):
     """One anchor block, split into its two branches so each can be reduced before they are added.
 
     Only the first ``prefix`` columns (the prompt, when a no-cache ``generate`` re-runs prompt + generated tokens)
@@ -107,11 +138,14 @@ def _anchor_block(block, hidden, cache, layer_mask, real, protected, cfg, keep_r
     h = block.norm(hidden.to(dtype=block.norm.weight.dtype))
     if block.residual_in_fp32:
         residual = residual.to(torch.float32)
-    h = block.mixer(h, cache=cache, attention_mask=layer_mask, **mixer_kwargs)
+    metric = cfg.importance_metric
+    with _step_sizes(block.mixer, family, metric == "delta") as delta:
+        h = block.mixer(h, cache=cache, attention_mask=layer_mask, **mixer_kwargs)
     with torch.no_grad(), timer("plan"):
         spec = cfg.spec
+        scores = None if delta is None else delta.get()[:, :prefix]
         plan = make_plan(h[:, :prefix].detach(), real[:, :prefix], protected[:, :prefix], keep_ratio, spec.selection,
-                         cfg.metric, spec.pairs)
+                         metric, spec.pairs, scores)
         if plan is not None and prefix < h.shape[1]:
             plan = extend_plan(plan, prefix, h.shape[1])
     if plan is None:
@@ -120,13 +154,18 @@ def _anchor_block(block, hidden, cache, layer_mask, real, protected, cfg, keep_r
         return _apply_both(residual, h, plan, cfg), plan
 
 
-def _initial_protection(real: torch.Tensor, prefix: int, extra_masks) -> torch.Tensor:
+def _initial_protection(real: torch.Tensor, prefix: int, extra_masks, recent: float) -> torch.Tensor:
     """The last real token of every row (of the prompt) always survives (next-token logits and the decode cache
-    need it), plus the callers' protected positions."""
+    need it), so do the ``recent`` share of each row's most recent prompt tokens, plus the callers' protected
+    positions."""
     B, N = real.shape
     ar = torch.arange(N, device=real.device)
-    last = torch.where(real & (ar < prefix), ar, -1).max(1).values
+    in_prompt = real & (ar < prefix)
+    last = torch.where(in_prompt, ar, -1).max(1).values
     protected = real & (ar[None, :] == last[:, None])
+    if recent > 0:
+        from_end = in_prompt.flip(1).cumsum(1).flip(1)  # 1 for the last prompt token, 2 for the one before, ...
+        protected |= in_prompt & (from_end <= torch.ceil(in_prompt.sum(1, keepdim=True) * recent))
     for extra in extra_masks:
         if extra is not None:
             protected |= _protected_for(extra, B, prefix, N).to(real.device) & real
@@ -164,7 +203,7 @@ def reduced_backbone(backbone, cfg: TokenReductionConfig, schedule: ResolvedSche
         real = (torch.ones(B, N, dtype=torch.bool, device=device) if attention_mask is None
                 else attention_mask.to(device=device, dtype=torch.bool))
         protected = _initial_protection(real, prefix, (protected_mask, None if prompt is None else
-                                                       prompt.protected_mask))
+                                                       prompt.protected_mask), cfg.protect_recent)
     positions = torch.arange(N, device=device).expand(B, N)
     mixer_kwargs = kwargs if family.mixer_takes_kwargs else {}
     anchors = set(schedule.anchors) if reducing and prefix > 1 else set()
@@ -179,7 +218,7 @@ def reduced_backbone(backbone, cfg: TokenReductionConfig, schedule: ResolvedSche
         if record is not None:
             lengths.append(real.sum(1))
         if i in anchors:
-            hidden, plan = _anchor_block(block, hidden, cache, layer_mask, real, protected, cfg, schedule.keep_ratio,
+            hidden, plan = _anchor_block(block, family, hidden, cache, layer_mask, real, protected, cfg, schedule.keep_ratio,
                                          mixer_kwargs, prefix, timer)
             if plan is not None:
                 plans.append((i, plan))

@@ -40,8 +40,14 @@ __all__ = [
 ]
 
 
-def importance(h: torch.Tensor, metric: str = "clip") -> torch.Tensor:
-    """Token importance ``[..., N]`` from mixer output ``h [..., N, D]`` (paper Eq. 5 and Table 3 variants)."""
+def importance(h: torch.Tensor, metric: str = "clip", scores: torch.Tensor | None = None) -> torch.Tensor:
+    """Token importance ``[..., N]`` from mixer output ``h [..., N, D]`` (paper Eq. 5 and Table 3 variants), or the
+    precomputed ``scores [..., N]`` of a metric that needs the mixer's internals (``delta``)."""
+    if metric == "delta":
+        if scores is None:
+            raise ValueError("the 'delta' importance metric needs the anchor's step sizes (scores=...); the reducing "
+                             "loop captures them from the mixer")
+        return scores.float()
     h = h.float()
     if metric == "clip":
         return h.clamp_min(0).mean(-1)
@@ -51,7 +57,7 @@ def importance(h: torch.Tensor, metric: str = "clip") -> torch.Tensor:
         return h.norm(dim=-1)
     if metric == "noclip":
         return h.mean(-1)
-    raise ValueError(f"unknown importance metric {metric!r}; allowed: clip, l1, l2, noclip")
+    raise ValueError(f"unknown importance metric {metric!r}; allowed: clip, l1, l2, noclip, delta")
 
 
 def _features(h: torch.Tensor, metric: str) -> torch.Tensor:
@@ -142,10 +148,9 @@ def _top_links(link: torch.Tensor, r: torch.Tensor) -> tuple[torch.Tensor, torch
     return order, ok
 
 
-def _select_importance_similarity(h, protected, r, metric) -> Selection:
+def _select_importance_similarity(h, s, protected, r, metric) -> Selection:
     """Paper Sec. 4: less important half matched to the more important half by cosine; keep the top links."""
     n = h.shape[1]
-    s = importance(h, metric)
     order = torch.sort(s.masked_fill(protected, math.inf), dim=1, stable=True).indices
     n_a = n - n // 2
     ranked = _take(h.float(), order)  # tokens by importance; the less important half first
@@ -159,7 +164,7 @@ def _select_importance_similarity(h, protected, r, metric) -> Selection:
     return Selection(src, b.gather(1, match.gather(1, sel)), ok, s.gather(1, src))
 
 
-def _select_reference(h, protected, r, metric) -> Selection:
+def _select_reference(h, s, protected, r, metric) -> Selection:
     """The reference code's selection, operation for operation: a per-channel sort along the token axis,
     then ``a @ b^T`` on the sorted halves, with row ``i`` of ``a`` read as even token ``2i`` and row ``j``
     of ``b`` as odd token ``2j+1``.  On non-negative inputs this removes 0, 2, ..., 2r-2 into token 1.
@@ -178,24 +183,29 @@ def _select_reference(h, protected, r, metric) -> Selection:
     best = best.masked_fill(protected[:, even], -math.inf)
     sel, ok = _top_links(best, r)
     src = 2 * sel
-    return Selection(src, 2 * match.gather(1, sel) + 1, ok, importance(h, metric).gather(1, src))
+    return Selection(src, 2 * match.gather(1, sel) + 1, ok, s.gather(1, src))
 
 
-def _select_bipartite(h, protected, r, metric) -> Selection:
+def _select_bipartite(h, s, protected, r, metric) -> Selection:
     """ToMe / PuMer: even tokens matched to odd tokens by cosine; the most similar pairs merge."""
     feat = _features(h, metric)
     best, match = _best_cosine(feat[:, 0::2], feat[:, 1::2])
     best = best.masked_fill(protected[:, 0::2], -math.inf)
     sel, ok = _top_links(best, r)
     src = 2 * sel
-    return Selection(src, 2 * match.gather(1, sel) + 1, ok, importance(h, metric).gather(1, src))
+    return Selection(src, 2 * match.gather(1, sel) + 1, ok, s.gather(1, src))
 
 
-def _select_importance(h, protected, r, metric) -> Selection:
-    """EViT: remove the least important tokens (no matching; ``dst`` is unused)."""
-    s = importance(h, metric)
+def _select_importance(h, s, protected, r, metric) -> Selection:
+    """EViT: remove the least important tokens; a removed token's destination (for merging strategies) is the
+    next token to its right that stays (the last token is always protected, so one exists)."""
     sel, ok = _top_links(-s.masked_fill(protected, math.inf), r)
-    return Selection(sel, sel, ok, s.gather(1, sel))
+    n = s.shape[1]
+    removed = torch.zeros_like(protected)
+    removed.scatter_(1, sel, ok)
+    ar = torch.arange(n, device=s.device).expand_as(removed)
+    next_kept = torch.where(removed, n - 1, ar).flip(1).cummin(1).values.flip(1)
+    return Selection(sel, next_kept.gather(1, sel), ok, s.gather(1, sel))
 
 
 _SELECTORS = {
@@ -206,8 +216,10 @@ _SELECTORS = {
 }
 
 
-def select(selection: str, h: torch.Tensor, protected: torch.Tensor, r: torch.Tensor, metric: str) -> Selection:
-    """Run one selection rule on ``h [g, n, D]`` (all tokens real), ``protected [g, n]``, ``r [g]``."""
+def select(selection: str, h: torch.Tensor, protected: torch.Tensor, r: torch.Tensor, metric: str,
+           scores: torch.Tensor | None = None) -> Selection:
+    """Run one selection rule on ``h [g, n, D]`` (all tokens real), ``protected [g, n]``, ``r [g]`` (``scores
+    [g, n]``: the precomputed importance of metrics that need the mixer's internals)."""
     try:
         fn = _SELECTORS[selection]
     except KeyError:
@@ -215,7 +227,7 @@ def select(selection: str, h: torch.Tensor, protected: torch.Tensor, r: torch.Te
     if h.shape[1] < 2 or int(r.max()) == 0:
         empty = torch.zeros(h.shape[0], 0, dtype=torch.long, device=h.device)
         return Selection(empty, empty, empty.bool(), empty.float())
-    return fn(h, protected, r, metric)
+    return fn(h, importance(h, metric, scores), protected, r, metric)
 
 
 @dataclass
@@ -248,6 +260,7 @@ def make_plan(
     selection: str,
     metric: str,
     pairs: bool,
+    scores: torch.Tensor | None = None,
 ) -> Plan | None:
     """Plan one anchor from its mixer output ``h [B, N, D]``; ``None`` when no row loses a token.
 
@@ -268,11 +281,12 @@ def make_plan(
     for n in torch.unique(n_real[r_all > 0]).tolist():
         rows = ((n_real == n) & (r_all > 0)).nonzero().squeeze(1)
         if n == N and len(rows) == B:  # no padding anywhere: select on h itself, no copies
-            pos, h_rows, prot_rows = None, h, protected
+            pos, h_rows, prot_rows, s_rows = None, h, protected, scores
         else:
             pos = mask[rows].nonzero()[:, 1].view(len(rows), n)  # real positions, ascending
             h_rows, prot_rows = _take(h[rows], pos), protected[rows].gather(1, pos)
-        sel = select(selection, h_rows, prot_rows, r_all[rows], metric)
+            s_rows = None if scores is None else scores[rows].gather(1, pos)
+        sel = select(selection, h_rows, prot_rows, r_all[rows], metric, s_rows)
         k = sel.src.shape[1]
         src[rows, :k] = sel.src if pos is None else pos.gather(1, sel.src)
         dst[rows, :k] = sel.dst if pos is None else pos.gather(1, sel.dst)

@@ -467,7 +467,7 @@ def _tie_expectation(selection, n, r):
         return [(i, n - n // 2) for i in range(r)]
     if selection in ("bipartite", "reference"):  # even tokens into the first odd token
         return [(2 * i, 1) for i in range(r)]
-    return [(i, i) for i in range(r)]  # EViT: the earliest tokens go
+    return [(i, r) for i in range(r)]  # EViT: the earliest tokens go, each into the next token that stays
 
 
 @pytest.mark.parametrize("fill", ["ones", "all_negative"])

@@ -88,7 +88,8 @@ def test_round_trip_dict():
         (dict(keep_ratio=0.9, anchors="1,2"), TypeError, "anchors"),
         (dict(keep_ratio=0.9, anchors=[]), ValueError, "anchors"),
         (dict(keep_ratio=0.9, hidden_strategy="drop"), ValueError, "hidden_strategy"),
-        (dict(keep_ratio=0.9, method="evit", hidden_strategy="merge"), ValueError, "evit"),
+        (dict(keep_ratio=0.9, protect_recent=1.0), ValueError, "protect_recent"),
+        (dict(keep_ratio=0.9, metric="deltas"), ValueError, "metric"),
     ],
 )
 def test_bad_settings_name_the_field(kwargs, exc, needle):

@@ -266,7 +266,7 @@ def test_plan_is_made_from_the_anchor_mixer_output(model, method):
         n = len(real)
         protected = torch.zeros(1, n, dtype=torch.bool)
         protected[0, -1] = True
-        want = make_plan(h, torch.ones(1, n, dtype=torch.bool), protected, 0.6, cfg.spec.selection, cfg.metric,
+        want = make_plan(h, torch.ones(1, n, dtype=torch.bool), protected, 0.6, cfg.spec.selection, cfg.importance_metric,
                          cfg.spec.pairs)
         offset = ids.shape[1] - n  # left padding
         ok = plan.src_mask[b]

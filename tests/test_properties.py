@@ -139,7 +139,7 @@ def configs(draw, layers=LAYERS, max_keep=1.0, method=None):
 def test_config_round_trips_through_json(cfg):
     d = cfg.to_dict()
     assert set(d) == {"method", "flops_reduction", "keep_ratio", "anchors", "metric", "q", "hidden_strategy",
-                      "residual_strategy", "version"}  # every field, always, and the version that wrote them
+                      "residual_strategy", "protect_recent", "version"}  # every field, always, and the version
     again = TokenReductionConfig.from_dict(json.loads(json.dumps(d)))
     assert again == cfg and again.to_dict() == d
     assert TokenReductionConfig.coerce(d) == cfg
@@ -283,7 +283,9 @@ def test_make_plan_invariants(selection, data):
     c = data.draw(plan_cases(selection))
     h, mask, protected, g = build_plan_inputs(c)
     sel, pairs, keep = c["selection"], c["pairs"], c["keep"]
-    plan = make_plan(h, mask, protected, keep, sel, c["metric"], pairs)
+    # the delta metric reads the anchor's step sizes: here, positive scores drawn from the same generator
+    scores = torch.rand(h.shape[:2], generator=g) if c["metric"] == "delta" else None
+    plan = make_plan(h, mask, protected, keep, sel, c["metric"], pairs, scores)
     n_real = mask.sum(1)
     if int(num_to_remove(n_real, keep, pairs).max()) == 0:
         assert plan is None
@@ -311,7 +313,7 @@ def test_make_plan_invariants(selection, data):
             assert plan.keep[b][plan.dst_slot[b][ok]].tolist() == dst
         # batch invariance of the plan: the row alone (padding dropped) makes the same row-local choice
         alone = make_plan(h[b : b + 1, real], torch.ones(1, n, dtype=torch.bool), protected[b : b + 1, real], keep,
-                          sel, c["metric"], pairs)
+                          sel, c["metric"], pairs, None if scores is None else scores[b : b + 1, real])
         local = {p: i for i, p in enumerate(real)}
         pairs_here = [(local[s], local[d]) for s, d in zip(src, dst)]
         if alone is None:

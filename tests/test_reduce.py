@@ -369,6 +369,30 @@ def test_compiled_grid_argmax_equals_torch_path(monkeypatch):
         assert not bool((fused[1] == 9).any())  # column 9 duplicates column 5: a tie goes to the first
 
 
+def test_importance_selection_merges_into_the_next_kept_token():
+    """EViT-style selection with a merging strategy: each removed token folds into the next token to its right
+    that stays (hand-computed: importance 5 1 4 2 3 9, two removals -> tokens 1 and 3 go, into 2 and 4)."""
+    s = torch.tensor([[5.0, 1.0, 4.0, 2.0, 3.0, 9.0]])
+    h = s[..., None].repeat(1, 1, 2)
+    protected = torch.zeros(1, 6, dtype=torch.bool)
+    protected[0, 5] = True
+    plan = make_plan(h, torch.ones(1, 6, dtype=torch.bool), protected, 4 / 6, "importance", "noclip", False)
+    assert sorted(plan.src[0][plan.src_mask[0]].tolist()) == [1, 3]
+    assert dict(zip(plan.src[0].tolist(), plan.dst[0].tolist())) == {1: 2, 3: 4}
+    x = torch.arange(6.0)[None, :, None]
+    assert apply_plan(x, plan, "merge")[0, :, 0].tolist() == [0.0, 1.5, 3.5, 5.0]
+
+
+def test_delta_metric_uses_the_given_scores_and_needs_them():
+    h = torch.randn(1, 8, 4)
+    scores = torch.tensor([[0.1, 5.0, 0.2, 4.0, 0.3, 3.0, 0.4, 9.0]])
+    protected = torch.zeros(1, 8, dtype=torch.bool)
+    plan = make_plan(h, torch.ones(1, 8, dtype=torch.bool), protected, 0.5, "importance", "delta", False, scores)
+    assert sorted(plan.keep[0].tolist()) == [1, 3, 5, 7]  # the four largest step sizes stay
+    with pytest.raises(ValueError, match="needs the anchor's step sizes"):
+        make_plan(h, torch.ones(1, 8, dtype=torch.bool), protected, 0.5, "importance", "delta", False)
+
+
 @pytest.mark.parametrize("selection", ["importance_similarity", "bipartite"])
 def test_select_takes_a_removal_count_per_row(selection):
     """``select`` removes r[g] tokens from row g (rows of one call may differ): each row's links equal the slow

@@ -118,7 +118,7 @@ def test_authors_selection_thins_the_front_on_positive_inputs():
 def test_selection_equals_the_authors_on_content_dependent_inputs():
     """Unclipped features (``metric="noclip"``) make the selection content-dependent, so near-ties between
     link scores are common: no tie grid may reorder them (a 2**-16 grid changed 5 of these 300 choices)."""
-    from hf_tokred.reduce import _select_reference
+    from hf_tokred.reduce import select
 
     checked = 0
     for seed in range(300):
@@ -132,7 +132,7 @@ def test_selection_equals_the_authors_on_content_dependent_inputs():
         order = scores.argsort(descending=True)
         if scores[order[r - 1]] == scores[order[r]]:
             continue  # an exact tie: the authors' unstable arg-sort may pick either
-        sel = _select_reference(h[None], torch.zeros(1, n, dtype=torch.bool), torch.tensor([r]), "noclip")
+        sel = select("reference", h[None], torch.zeros(1, n, dtype=torch.bool), torch.tensor([r]), "noclip")
         assert set(sel.src[0][sel.valid[0]].tolist()) == set((2 * order[:r]).tolist()), seed
         checked += 1
     assert checked > 250

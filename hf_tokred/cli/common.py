@@ -32,10 +32,13 @@ def add_reduction_arguments(parser: argparse.ArgumentParser, required: bool = Fa
     g.add_argument("--flops-reduction", type=float, default=None, help="target FLOPs reduction, e.g. 0.2")
     g.add_argument("--keep-ratio", type=float, default=None, help="per-anchor keep ratio (instead of a FLOPs target)")
     g.add_argument("--anchors", type=str, default=None, help="comma-separated anchor layers, e.g. 12,17,22")
-    g.add_argument("--metric", choices=sorted(METRICS), default="clip", help="importance metric (default: clip)")
+    g.add_argument("--metric", choices=sorted(METRICS), default=None,
+                   help="importance metric (default: the method's own; clip for the paper's methods)")
     g.add_argument("--q", type=float, default=0.5, help="pruned share in the hybrid strategy (default: 0.5)")
     g.add_argument("--hidden-strategy", choices=sorted(STRATEGIES), default=None, help="override (ablations)")
     g.add_argument("--residual-strategy", choices=sorted(STRATEGIES), default=None, help="override (ablations)")
+    g.add_argument("--protect-recent", type=float, default=0.0,
+                   help="share of each sequence's most recent tokens that are never removed (default: 0)")
 
 
 def reduction_from_args(args: argparse.Namespace):
@@ -54,7 +57,7 @@ def reduction_from_args(args: argparse.Namespace):
         return TokenReductionConfig(
             method=args.method or "utrc", flops_reduction=args.flops_reduction, keep_ratio=args.keep_ratio,
             anchors=anchors, metric=args.metric, q=args.q, hidden_strategy=args.hidden_strategy,
-            residual_strategy=args.residual_strategy,
+            residual_strategy=args.residual_strategy, protect_recent=args.protect_recent,
         )
     except (TypeError, ValueError) as err:
         raise UsageError(str(err)) from None
