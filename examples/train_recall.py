@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from transformers import Mamba2Config, Mamba2ForCausalLM, MambaConfig, MambaForCausalLM
 
-from hf_tokred.evaluation.mqar import MQARSettings, make_batch, recall_hits
+from hf_tokred.evaluation.mqar import MQARSettings, make_batch, recall_hits, tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_bundled import install_fast_mamba_scan, lr_at  # noqa: E402  (the LM script's scan and schedule)
@@ -165,9 +165,10 @@ def cmd_export(args):
     model.load_state_dict(st["model"])
     dest = Path(args.dest)
     dest.mkdir(parents=True, exist_ok=True)
+    model.config.mqar = settings.to_dict()  # the setting it was trained on travels in config.json
     model.to(torch.float16).save_pretrained(str(dest))
     (dest / "generation_config.json").unlink(missing_ok=True)
-    (dest / "mqar.json").write_text(json.dumps(settings.to_dict(), indent=2) + "\n")
+    tokenizer(settings).save_pretrained(str(dest))
     print(f"[export] step {st['step']} -> {dest}")
 
 
@@ -175,7 +176,7 @@ def cmd_eval(args):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
-    settings = MQARSettings(**json.loads((Path(args.model) / "mqar.json").read_text()))
+    settings = MQARSettings(**model.config.mqar)
     print(json.dumps({"model": args.model, "dense_recall": accuracy(model, settings, n=args.n)}))
 
 

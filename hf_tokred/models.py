@@ -2,7 +2,8 @@
 
 Model specs understood everywhere a command takes ``--model``:
 
-* ``bundled:mamba`` / ``bundled:mamba2`` (or just ``mamba`` / ``mamba2``): the small trained models shipped
+* ``bundled:mamba`` / ``bundled:mamba2`` (or just ``mamba`` / ``mamba2``): the small trained language models, and
+  ``bundled:recall-mamba`` / ``bundled:recall-mamba2``: the multi-query associative recall models, shipped
   with the package (offline);
 * ``random:<family>-<size>``: random weights in the shape of a real checkpoint, e.g. ``random:mamba-130m``,
   ``random:mamba2-2.7b``, ``random:mamba-tiny`` (for speed/memory work and tests; the text they produce is noise);
@@ -29,7 +30,8 @@ __all__ = ["BUNDLED", "KEEP", "bundled_path", "check_model_spec", "load_bundled"
 #: ``load_model(..., token_reduction=KEEP)``: keep the settings saved in the checkpoint (if any).
 KEEP: Any = UNSET
 
-BUNDLED = ("mamba", "mamba2")
+#: bundled models: the two small language models and the two multi-query associative recall models
+BUNDLED = ("mamba", "mamba2", "recall-mamba", "recall-mamba2")
 
 
 def bundled_path(family: str) -> Path:

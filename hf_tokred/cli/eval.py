@@ -41,7 +41,9 @@ def _eval(args: argparse.Namespace) -> int:
     cfg = reduction_from_args(args)
 
     needs_data = [t for t in tasks if t in LOCAL_TASKS]
-    if needs_data or not args.no_fidelity:
+    # the held-out fidelity columns compare English passages: not for a recall-only run
+    fidelity = not args.no_fidelity and tasks != ["mqar"]
+    if needs_data or fidelity:
         try:
             data.find_data(args.data_dir)
         except data.DataMissingError as err:
@@ -74,7 +76,7 @@ def _eval(args: argparse.Namespace) -> int:
 
     result = evaluate_model(
         model, tokenizer, tasks, limit=limit, batch_size=batch_size, max_length=max_length,
-        data_dir=args.data_dir, output=args.output, model_name=args.model, fidelity=not args.no_fidelity,
+        data_dir=args.data_dir, output=args.output, model_name=args.model, fidelity=fidelity,
         bootstrap_iters=args.bootstrap_iters, accelerator=accelerator,
     )
     if result is None:  # a data-parallel worker other than rank 0: rank 0 prints and saves
@@ -108,7 +110,8 @@ def add_parser(sub) -> None:
     p.add_argument("--tasks", default=_DEFAULT_TASKS,
                    help=f"comma-separated tasks (default: {_DEFAULT_TASKS}); also available: "
                         "boolq_heldout_suffix (held-out perplexity that reduction affects), boolq_heldout_ppl "
-                        "(whole-passage rolling perplexity)")
+                        "(whole-passage rolling perplexity), mqar (multi-query associative recall at the query "
+                        "positions; a recall model such as bundled:recall-mamba2; --limit = sequences, default 256)")
     p.add_argument("--limit", default=None, help="documents per task (and held-out passages), e.g. 100 (default: all)")
     p.add_argument("--batch-size", default="8", help="requests per forward (default: 8)")
     p.add_argument("--max-length", default="2048", help="longest input in tokens; longer inputs are left-truncated")

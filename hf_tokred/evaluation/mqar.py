@@ -25,8 +25,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
 
-__all__ = ["MQARBatch", "MQARSettings", "make_batch", "recall_hits"]
+__all__ = ["MQARBatch", "MQARSettings", "make_batch", "recall_hits", "tokenizer"]
 
 
 @dataclass(frozen=True)
@@ -140,3 +142,15 @@ def recall_hits(logits: torch.Tensor, batch: MQARBatch) -> torch.Tensor:
     if bool(torch.isnan(at).any()):
         raise ValueError("a query position was not computed (NaN logits); pass batch.protected_mask to the model")
     return at.argmax(-1) == batch.answers
+
+
+def tokenizer(settings: MQARSettings) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer for the setting's ids, so sequences print readably: ``<pad>`` (0), ``<unused>``
+    (1), keys ``k0 k1 ...``, values ``v0 v1 ...``, filler ``f0 f1 ...``."""
+    names = ["<pad>", "<unused>"] + [f"k{i}" for i in range(settings.num_keys)] + \
+        [f"v{i}" for i in range(settings.num_values)] + [f"f{i}" for i in range(settings.vocab_size - settings.filler_start)]
+    tok = Tokenizer(models.WordLevel({name: i for i, name in enumerate(names)}, unk_token="<unused>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unused>",
+                                   eos_token="<unused>", bos_token="<unused>")

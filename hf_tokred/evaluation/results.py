@@ -44,6 +44,7 @@ ROW_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("heldout_ppl", "Held-out PPL", "ppl"),
     ("heldout_top1_agreement", "Held-out top-1 agr.", "pct"),
     ("heldout_kl", "Held-out KL", "num"),
+    ("mqar_acc", "MQAR recall", "pct"),
 )
 
 #: accuracy columns of the paper: task -> (lm-eval metric, row key)
@@ -97,6 +98,7 @@ def paper_row(result: dict) -> dict[str, Any]:
     fid = result.get("fidelity") or {}
     row["heldout_top1_agreement"] = fid.get("top1_agreement", float("nan"))
     row["heldout_kl"] = fid.get("kl_mean", float("nan"))
+    row["mqar_acc"] = _metric(result, "mqar", "acc")
     return row
 
 
@@ -115,7 +117,7 @@ def _fmt(value, kind: str) -> str:
 
 
 #: columns shown only when some row has a value (the paper's columns are always shown)
-OPTIONAL_COLUMNS = ("heldout_suffix_ppl", "heldout_ppl", "heldout_top1_agreement", "heldout_kl")
+OPTIONAL_COLUMNS = ("heldout_suffix_ppl", "heldout_ppl", "heldout_top1_agreement", "heldout_kl", "mqar_acc")
 
 
 def _empty(v) -> bool:

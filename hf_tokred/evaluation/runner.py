@@ -30,6 +30,8 @@ from . import data as data_mod
 from .fidelity import fidelity_result, fidelity_sums
 from .lm import ReducingHFLM
 from .meter import FlopsMeter
+from .mqar import MQARSettings
+from .quality import mqar_accuracy
 from .results import SCHEMA, method_label, paper_row, save_results
 from .tasks import LOCAL_TASKS, write_task_configs
 
@@ -48,7 +50,9 @@ __all__ = ["ALL_TASKS", "DEFAULT_TASKS", "ONLINE_TASKS", "data_parallel_accelera
 
 DEFAULT_TASKS = ("lambada_openai", "hellaswag", "piqa", "arc_easy", "arc_challenge", "winogrande")
 ONLINE_TASKS = ("lambada_openai",)
-ALL_TASKS = tuple(dict.fromkeys(DEFAULT_TASKS + LOCAL_TASKS))
+#: tasks hf_tokred scores itself (not through lm-eval)
+OWN_TASKS = ("mqar",)
+ALL_TASKS = tuple(dict.fromkeys(DEFAULT_TASKS + LOCAL_TASKS + OWN_TASKS))
 
 
 def data_parallel_accelerator(cpu: bool | None = None):
@@ -84,6 +88,8 @@ def _task_entries(tasks: Sequence[str], root) -> tuple[dict[str, dict[str, Any]]
     entries: dict[str, dict[str, Any]] = {}
     online: list[Any] = []
     for name in tasks:
+        if name in OWN_TASKS:
+            continue
         if name not in ONLINE_TASKS:
             entries[name] = {"status": "ok", "source": str(data_mod.arrow_file(
                 "boolq" if name.startswith("boolq_") else name, root))}
@@ -98,6 +104,27 @@ def _task_entries(tasks: Sequence[str], root) -> tuple[dict[str, dict[str, Any]]
                          "available offline; it is reported as missing and no other dataset is substituted."),
             }
     return entries, online
+
+
+def mqar_settings(model) -> MQARSettings:
+    """The MQAR setting a model was trained on (``config.mqar``, written by ``examples/train_recall.py``), else
+    the benchmark default; refuses a model whose vocabulary cannot hold its tokens."""
+    saved = getattr(model.config, "mqar", None)
+    settings = MQARSettings(**saved) if saved else MQARSettings()
+    if model.config.vocab_size < settings.vocab_size:
+        raise ValueError(f"the mqar task needs a model trained on multi-query associative recall (vocabulary of at "
+                         f"least {settings.vocab_size} tokens, config.mqar); this model has vocab_size="
+                         f"{model.config.vocab_size}. Use a recall model, e.g. --model bundled:recall-mamba2")
+    return settings
+
+
+def _mqar_entry(model, limit: int | None) -> dict[str, Any]:
+    settings = mqar_settings(model)
+    result = mqar_accuracy(model, settings, n=limit or 256)
+    acc, low, high = result["accuracy"]
+    return {"status": "ok", "source": f"hf_tokred.evaluation.mqar {settings.to_dict()} (seed 1000000)",
+            "metrics": {"acc": acc, "acc_ci_low": low, "acc_ci_high": high,
+                        "computed_share": result["computed_share"]}, "documents": result["sequences"]}
 
 
 def _collect_metrics(raw: dict) -> dict[str, Any]:
@@ -206,6 +233,8 @@ def evaluate_model(model, tokenizer, tasks: Sequence[str] = DEFAULT_TASKS, *, li
         accelerator = data_parallel_accelerator(cpu=next(model.parameters()).device.type == "cpu")
     lm = ReducingHFLM(model, tokenizer, batch_size=batch_size, max_length=max_length, accelerator=accelerator)
     raw = _run_lm_eval(lm, local, online, root, output, limit, bootstrap_iters)
+    if "mqar" in tasks:
+        entries["mqar"] = _mqar_entry(model, limit)
     t_tasks = time.perf_counter() - t0
     fid = None
     if fidelity:
@@ -218,7 +247,7 @@ def evaluate_model(model, tokenizer, tasks: Sequence[str] = DEFAULT_TASKS, *, li
             return None
     fid = fidelity_result(*fid) if fid else None
     for name, entry in entries.items():
-        if entry["status"] == "ok":
+        if entry["status"] == "ok" and name not in OWN_TASKS:
             entry["metrics"] = _collect_metrics(raw["results"].get(name, {}))
             n = raw.get("n-samples", {}).get(name, {})
             entry["documents"] = n.get("effective", n.get("original"))
