@@ -327,7 +327,9 @@ def _copy_tree(workdir: Path, source: str) -> str:
     archive = subprocess.run(["git", "archive", commit, "hf_tokred", "tests", "pyproject.toml"], cwd=ROOT,
                              capture_output=True, check=True).stdout
     subprocess.run(["tar", "-x", "-C", str(workdir)], input=archive, check=True)
-    return f"commit {commit}"
+    tree = subprocess.run(["git", "rev-parse", "--short", f"{commit}:hf_tokred"], cwd=ROOT, capture_output=True,
+                          text=True, check=True).stdout.strip()
+    return f"commit {commit} (package tree {tree})"
 
 
 def _env(workdir: Path, ext_dir: str) -> dict:
@@ -352,10 +354,14 @@ def _preload() -> None:
     assert "hf_tokred" not in sys.modules
 
 
+#: Slow tests that exercise no core logic (torch.compile of a model, command-line subprocesses): left out.
+SLOW_UNRELATED = "not test_torch_compile_runs_and_matches_eager and not test_commands_keep_stderr_quiet"
+
+
 def run_tests(workdir: Path, tests, timeout: float, ext_dir: str = ".ext") -> tuple[str, float, str]:
     """Run pytest on ``tests`` in a forked child (cwd ``workdir``); ``(killed|survived|timeout, seconds, failed)``."""
     log = workdir / ".pytest.log"
-    args = ["-x", "-q", "-p", "no:cacheprovider", "--no-header", "-W", "ignore", *tests]
+    args = ["-x", "-q", "-p", "no:cacheprovider", "--no-header", "-W", "ignore", "-k", SLOW_UNRELATED, *tests]
     start = time.monotonic()
     pid = os.fork()
     if pid == 0:  # child
@@ -403,6 +409,9 @@ def main() -> int:
     parser.add_argument("--workdir", default="/tmp/hf_tokred_mutants")
     parser.add_argument("--source", default="HEAD", help="a commit to copy (default HEAD), or 'worktree'")
     parser.add_argument("--json", default="", help="write the results to this file")
+    parser.add_argument("--resume", default="", help="comma-separated logs of earlier runs (same package source): "
+                        "mutants killed there are not run again and count as killed; survivors run again")
+    parser.add_argument("--tests", default="", help="comma-separated pytest ids: run these instead of the mapped tests")
     args = parser.parse_args()
 
     global SRC
@@ -410,6 +419,9 @@ def main() -> int:
     what = _copy_tree(workdir, args.source)
     SRC = workdir
     print(f"mutating a copy of the {what} in {workdir}", flush=True)
+    if args.tests:
+        for name, target in list(TARGETS.items()):
+            TARGETS[name] = Target(target.path, target.functions, tuple(args.tests.split(",")))
     modules = [m for m in args.modules.split(",") if m]
     mutants = [] if args.no_planted else [m for m in planted_mutants() if m.module in modules]
     for module in modules:
@@ -431,7 +443,17 @@ def main() -> int:
 
     baseline = {}
     results: list[Result] = []
-    for module in dict.fromkeys(m.module for m in mutants):
+    done = {}
+    for log in filter(None, args.resume.split(",")):
+        header = Path(log).read_text().splitlines()[0]
+        tree = re.search(r"package tree (\w+)", header)
+        if tree is None or f"package tree {tree.group(1)}" not in what:
+            raise SystemExit(f"{log} was made from another package source ({header}); mutant ids would not match")
+        for line in Path(log).read_text().splitlines():
+            hit = re.match(r"\[\d+/\d+\] (\S+)\s+(killed|survived|timeout|equivalent)\s", line)
+            if hit:
+                done[hit.group(1)] = (hit.group(2), line)
+    for module in dict.fromkeys(m.module for m in mutants if done.get(m.id, ("",))[0] not in ("killed", "timeout")):
         status, took, failed = run_tests(workdir, TARGETS[module].tests, timeout=3600)
         if status != "survived":
             raise SystemExit(f"baseline for {module} does not pass ({failed}); fix the tests first")
@@ -442,6 +464,12 @@ def main() -> int:
         target = workdir / TARGETS[m.module].path
         original = target.read_text()
         source_line = original.splitlines()[m.line - 1].strip()
+        if done.get(m.id, ("",))[0] in ("killed", "timeout"):  # survivors run again (against newer tests)
+            status, line = done[m.id]
+            killed_by = line.split("]  ")[-1].strip() if status == "killed" else ""
+            results.append(Result(m.id, m.module, m.line, m.describe(), status, 0.0, killed_by, source_line))
+            print(f"[{i}/{len(mutants)}] {m.id:36s} {status:9s}  (earlier run)", flush=True)
+            continue
         key = equivalence_key(m, original)
         if key in EQUIVALENT:
             results.append(Result(m.id, m.module, m.line, m.describe(), "equivalent", 0.0, source_line=source_line,
