@@ -1,6 +1,6 @@
 """The scripts in ``examples/`` run offline with tiny settings: exit code 0 and their key output lines.
 
-All four start together (each spends most of its time importing torch / transformers), offline.
+All of them start together (each spends most of its time importing torch / transformers), offline.
 """
 
 import os
@@ -19,6 +19,9 @@ RUNS = {
     "evaluate_checkpoint": ["--model", "random:mamba2-tiny", "--limit", "2", "--max-length", "256", "--batch-size", "4",
                             "--no-fidelity"],
     "publish_variant": ["--max-new-tokens", "3", "--prompt", "The quick brown fox"],
+    "quality_table": ["--out", "quality", "--models", "mamba", "--passages", "3", "--levels", "0.3"],
+    "train_recall": ["train", "--family", "mamba2", "--out", "recall", "--steps", "3", "--hidden", "16", "--batch", "4",
+                     "--eval-every", "3", "--warmup", "1"],
 }
 
 
@@ -78,3 +81,18 @@ def test_publish_variant(runs):
     assert "card: | analytic FLOPs, one 2048-token sequence |" in out
     assert "reloaded: MambaForCausalLM with token_reduction={'method': 'utrc', 'flops_reduction': 0.2" in out
     assert "generated: " in out
+
+
+def test_quality_table(runs):
+    import json
+
+    rows = [json.loads(line) for line in _output(runs, "quality_table").splitlines() if line.startswith("{")]
+    assert [r["method"] for r in rows][0] == "dense" and len(rows) == 11
+    for r in rows[1:]:
+        low, est, high = r["top1_agreement"][1], r["top1_agreement"][0], r["top1_agreement"][2]
+        assert 0 <= low <= est <= high <= 1 and r["flops_exact"] > 0.2
+
+
+def test_train_recall(runs):
+    out = _output(runs, "train_recall")
+    assert "'step': 3" in out and "eval_acc" in out
