@@ -27,6 +27,7 @@ __all__ = [
     "ResolvedSchedule",
     "TokenReductionConfig",
     "default_anchors",
+    "merge_count",
     "proxy_flops_reduction",
     "removal_count",
     "schedule_fractions",
@@ -132,6 +133,12 @@ def schedule_proxy_reduction(num_hidden_layers: int, anchors: Sequence[int], kee
     """:func:`proxy_flops_reduction` of a schedule in the long-sequence limit (rounding makes short sequences
     reduce less)."""
     return proxy_flops_reduction(schedule_fractions(num_hidden_layers, anchors, keep_ratio))
+
+
+def merge_count(r: int, q: float) -> int:
+    """How many of ``r`` selected tokens the hybrid strategies merge: ``floor(r * (1 - q))`` in double precision,
+    the ``1e-9`` absorbing float noise (``5 * (1 - 0.8)`` is ``0.9999999999999998``)."""
+    return math.floor(r * (1.0 - q) + 1e-9)
 
 
 def removal_count(n: int, keep_ratio: float, pairs: bool) -> int:

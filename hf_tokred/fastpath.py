@@ -105,6 +105,15 @@ def _call_compiled(fast, slow, tensor_args: dict, static: dict):
 _SCAN_TENSORS = ("hidden_states", "dt", "A", "B", "C", "D", "z", "delta_bias")
 
 
+def _cuda_scan(hidden_states, *args, **kwargs):
+    """The Triton scan; it has no backward, so when a gradient is needed, backward re-runs the torch scan."""
+    kwargs = {k: v for k, v in kwargs.items() if k not in ("use_mambapy", "use_associative_scan")}
+    call = dict(zip(_SCAN_TENSORS, (hidden_states, *args)), **kwargs)
+    tensors = {k: call.get(k) for k in _SCAN_TENSORS}
+    static = {k: v for k, v in call.items() if k not in _SCAN_TENSORS}
+    return _call_compiled(_triton_scan, selective_scan, tensors, static)
+
+
 def mamba_selective_scan(hidden_states, *args, **kwargs):
     """Dispatch transformers' Mamba-1 scan by device (see the module docstring)."""
     if hidden_states.device.type == "cpu":
@@ -120,7 +129,7 @@ def mamba_selective_scan(hidden_states, *args, **kwargs):
         return selective_scan(hidden_states, *args, **kwargs)
     if hidden_states.device.type == "cuda" and not _mamba_ssm_installed():
         _log_once("hf_tokred Triton (CUDA)")
-        return _triton_scan(hidden_states, *args, **kwargs)
+        return _cuda_scan(hidden_states, *args, **kwargs)
     _log_once(f"transformers / mamba-ssm ({hidden_states.device.type})")
     return _STOCK["mamba_selective_scan"](hidden_states, *args, **kwargs)
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .config import removal_count
+from .config import merge_count, removal_count
 from .ops import cpu as cpu_ops
 
 __all__ = [
@@ -315,6 +315,12 @@ def extend_plan(plan: Plan, prefix: int, length: int) -> Plan:
                    keep_mask=torch.cat([plan.keep_mask, torch.ones_like(tail, dtype=torch.bool)], 1))
 
 
+def _merge_counts(valid: torch.Tensor, q: float) -> torch.Tensor:
+    """:func:`hf_tokred.config.merge_count` of each row's number of valid sources, ``[B]`` long."""
+    counts = [merge_count(r, q) for r in valid.sum(1).tolist()]
+    return torch.tensor(counts, dtype=torch.long, device=valid.device)
+
+
 def merge_weights(plan: Plan, strategy: str, q: float, x_src: torch.Tensor | None = None) -> torch.Tensor | None:
     """Per-source merge weights (1 = merge, 0 = prune): ``[B, R, 1]``, or per channel ``[B, R, D]`` for
     ``hybrid_channel`` (which ranks the gathered source values ``x_src [B, R, D]``); ``None`` for ``prune``."""
@@ -325,14 +331,14 @@ def merge_weights(plan: Plan, strategy: str, q: float, x_src: torch.Tensor | Non
         w = valid
     elif strategy == "hybrid":
         # Token level: of each row's r selected sources, the floor(r * (1 - q)) most important merge.
-        n_merge = torch.floor(valid.sum(1) * (1.0 - q) + 1e-9).long()
+        n_merge = _merge_counts(valid, q)
         rank = torch.sort(
             plan.src_score.masked_fill(~valid, -math.inf), dim=1, descending=True, stable=True
         ).indices.argsort(1)
         w = valid & (rank < n_merge[:, None])
     elif strategy == "hybrid_channel":
         # Channel level (reference code): per channel, the top k = floor(r * (1 - q)) source values merge.
-        k = torch.floor(valid.sum(1) * (1.0 - q) + 1e-9).long()
+        k = _merge_counts(valid, q)
         vals = x_src.float().masked_fill(~valid[..., None], -math.inf)
         rank = torch.sort(vals, dim=1, descending=True, stable=True).indices.argsort(1)
         return (valid[..., None] & (rank < k[:, None, None])).float()

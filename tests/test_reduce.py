@@ -135,16 +135,10 @@ def _plan_with_sources(n_src: int, scores: list[float]) -> tuple[Plan, torch.Ten
     return plan, torch.randn(1, n, 3, generator=torch.Generator().manual_seed(n_src))
 
 
-FLOAT32_GUARD_BUG = pytest.mark.xfail(
-    strict=True, reason="bug (reported): reduce._merge_weights computes r * (1 - q) as an int tensor times a float, "
-    "i.e. in float32, where its + 1e-9 rounding guard is below one ulp: 22 * (1 - 9/22) is 12.999999 and floors to 12")
-
-
 @pytest.mark.parametrize("q, n_src, merged", [
     (0.8, 5, 1), (0.6, 5, 2), (0.7, 10, 3), (0.9, 10, 1), (0.2, 5, 4), (0.0, 5, 5), (1.0, 5, 0), (0.5, 3, 1),
     (0.3, 10, 7), (5 / 6, 12, 2), (0.8, 20, 4),
-    pytest.param(9 / 22, 22, 13, marks=FLOAT32_GUARD_BUG), pytest.param(16 / 23, 23, 7, marks=FLOAT32_GUARD_BUG),
-    pytest.param(14 / 29, 29, 15, marks=FLOAT32_GUARD_BUG)])
+    (9 / 22, 22, 13), (16 / 23, 23, 7), (14 / 29, 29, 15)])
 def test_hybrid_merge_count_rounding_guard(q, n_src, merged):
     """The hybrid strategies merge floor(r (1 - q)) of r sources, computed exactly: q = 0.8 with 5 sources merges 1
     (5 * (1 - 0.8) is 0.9999999999999998 in doubles), q = 9/22 with 22 sources merges 13 (12.999999 in float32),
@@ -423,3 +417,30 @@ def test_compiled_grid_argmax_is_used_only_where_it_applies():
         assert reduce_mod._cpu_grid_argmax(x.clone().requires_grad_()) is None
     with torch.no_grad():
         assert reduce_mod._cpu_grid_argmax(x.clone().requires_grad_()) is not None
+
+
+@pytest.mark.parametrize("selection, want", [
+    ("importance_similarity", [(i, 24) for i in range(12)]),  # A = tokens 0..23 (ties: earlier = less important)
+    ("bipartite", [(i, 1) for i in range(0, 24, 2)]),  # even tokens in order, all into the first odd one
+    ("reference", [(i, 1) for i in range(0, 24, 2)]),  # the reference code's front thinning
+])
+def test_ties_are_broken_by_position_on_long_rows(selection, want):
+    """Exact ties everywhere on a row of 48 tokens (sorts of more than 16 elements are where an unstable sort
+    reorders ties): importance ties go to the earlier token, equal links to the earlier source, equal best matches to
+    the first candidate."""
+    h = torch.ones(1, 48, 4)
+    mask = torch.ones(1, 48, dtype=torch.bool)
+    protected = torch.zeros_like(mask)
+    protected[0, -1] = True
+    plan = make_plan(h, mask, protected, 0.75, selection, "clip", True)
+    assert sorted(plan_pairs(plan)) == want
+
+
+def test_importance_ties_on_long_rows():
+    """EViT on 48 equally important tokens removes the earliest ones."""
+    h = torch.ones(1, 48, 4)
+    mask = torch.ones(1, 48, dtype=torch.bool)
+    protected = torch.zeros_like(mask)
+    protected[0, -1] = True
+    plan = make_plan(h, mask, protected, 0.5, "importance", "clip", False)
+    assert sorted(plan.src[0][plan.src_mask[0]].tolist()) == list(range(24))
