@@ -555,9 +555,16 @@ def cmd_train(args):
     step, elapsed_prev, tokens = 0, 0.0, 0
     ckpt = out / "ckpt.pt"
     if args.init_from and not (args.resume and ckpt.exists()):
-        st = torch.load(args.init_from, map_location="cpu", weights_only=False)
-        model.load_state_dict(st["model"])  # weights only: fresh optimizer, step 0
-        print(f"[train] initialised from {args.init_from} (step {st['step']})", flush=True)
+        if Path(args.init_from).is_dir():  # an exported model folder (e.g. the previous bundled model): grow it
+            from transformers import AutoModelForCausalLM
+
+            weights = AutoModelForCausalLM.from_pretrained(args.init_from, dtype=torch.float32).state_dict()
+            model.load_state_dict(weights)
+            print(f"[train] initialised from the model folder {args.init_from}", flush=True)
+        else:
+            st = torch.load(args.init_from, map_location="cpu", weights_only=False)
+            model.load_state_dict(st["model"])  # weights only: fresh optimizer, step 0
+            print(f"[train] initialised from {args.init_from} (step {st['step']})", flush=True)
     if args.resume and ckpt.exists():
         st = torch.load(ckpt, map_location="cpu", weights_only=False)
         model.load_state_dict(st["model"])
