@@ -85,7 +85,8 @@ TARGETS = {
         "FlopsBreakdown.total", "FlopsBreakdown.matmul", "FlopsBreakdown.__add__", "mamba1_layer_flops",
         "mamba2_layer_flops"), ("tests/test_flops.py",)),
     "config": Target("hf_tokred/config.py", (
-        "default_anchors", "proxy_flops_reduction", "schedule_fractions", "schedule_proxy_reduction", "removal_count",
+        "default_anchors", "proxy_flops_reduction", "schedule_fractions", "schedule_proxy_reduction", "merge_count",
+        "removal_count",
         "solve_keep_ratio", "ResolvedSchedule.layer_lengths", "TokenReductionConfig.__post_init__",
         "TokenReductionConfig._check_anchors", "TokenReductionConfig.min_keep_ratio", "TokenReductionConfig.hidden",
         "TokenReductionConfig.residual", "TokenReductionConfig.resolve", "_check_depth", "_real"), (
@@ -123,14 +124,14 @@ PLANTED = [  # (id, module, old, new, what it models)
      "the rounding guard of the removal count is removed"),
     ("keep-guard-wrong-side", "config", "keep = math.ceil(n * keep_ratio - 1e-9)",
      "keep = math.ceil(n * keep_ratio + 1e-9)", "the rounding guard pushes the wrong way"),
-    ("merge-guard-removed", "reduce", "n_merge = torch.floor(valid.sum(1) * (1.0 - q) + 1e-9)",
-     "n_merge = torch.floor(valid.sum(1) * (1.0 - q))", "the hybrid merge count loses its rounding guard"),
-    ("channel-guard-removed", "reduce", "k = torch.floor(valid.sum(1) * (1.0 - q) + 1e-9)",
-     "k = torch.floor(valid.sum(1) * (1.0 - q))", "the per-channel hybrid loses its rounding guard"),
-    ("q-inverted", "reduce", "n_merge = torch.floor(valid.sum(1) * (1.0 - q) + 1e-9)",
-     "n_merge = torch.floor(valid.sum(1) * q + 1e-9)", "hybrid: q read as the merge share (inverted)"),
-    ("q-inverted-channel", "reduce", "k = torch.floor(valid.sum(1) * (1.0 - q) + 1e-9)",
-     "k = torch.floor(valid.sum(1) * q + 1e-9)", "per-channel hybrid: q inverted"),
+    ("merge-guard-removed", "config", "return math.floor(r * (1.0 - q) + 1e-9)", "return math.floor(r * (1.0 - q))",
+     "the hybrid merge count loses its rounding guard"),
+    ("q-inverted", "config", "return math.floor(r * (1.0 - q) + 1e-9)", "return math.floor(r * q + 1e-9)",
+     "hybrid merge count: q read as the merge share (inverted)"),
+    ("q-inverted-hybrid", "reduce", "n_merge = _merge_counts(valid, q)", "n_merge = _merge_counts(valid, 1 - q)",
+     "token-level hybrid: q inverted"),
+    ("q-inverted-channel", "reduce", "k = _merge_counts(valid, q)", "k = _merge_counts(valid, 1 - q)",
+     "per-channel hybrid: q inverted"),
     ("hybrid-least-important-merge", "reduce", "plan.src_score.masked_fill(~valid, -math.inf), dim=1, descending=True",
      "plan.src_score.masked_fill(~valid, math.inf), dim=1, descending=False",
      "hybrid merges the least important sources instead of the most important"),
@@ -332,6 +333,15 @@ def _copy_tree(workdir: Path, source: str) -> str:
     return f"commit {commit} (package tree {tree})"
 
 
+def _blob(spec: str) -> str:
+    out = subprocess.run(["git", "rev-parse", spec], cwd=ROOT, capture_output=True, text=True)
+    return out.stdout.strip() if out.returncode == 0 else ""
+
+
+def _hash_file(path: Path) -> str:
+    return subprocess.run(["git", "hash-object", str(path)], capture_output=True, text=True).stdout.strip()
+
+
 def _env(workdir: Path, ext_dir: str) -> dict:
     return {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONDONTWRITEBYTECODE": "1",
             "TORCH_EXTENSIONS_DIR": str(workdir / ext_dir), "PYTHONPATH": str(workdir),
@@ -409,8 +419,9 @@ def main() -> int:
     parser.add_argument("--workdir", default="/tmp/hf_tokred_mutants")
     parser.add_argument("--source", default="HEAD", help="a commit to copy (default HEAD), or 'worktree'")
     parser.add_argument("--json", default="", help="write the results to this file")
-    parser.add_argument("--resume", default="", help="comma-separated logs of earlier runs (same package source): "
-                        "mutants killed there are not run again and count as killed; survivors run again")
+    parser.add_argument("--resume", default="", help="comma-separated logs of earlier runs on commits: for the "
+                        "modules whose source is unchanged, mutants killed there count as killed (not run again); "
+                        "survivors run again")
     parser.add_argument("--tests", default="", help="comma-separated pytest ids: run these instead of the mapped tests")
     args = parser.parse_args()
 
@@ -445,14 +456,20 @@ def main() -> int:
     results: list[Result] = []
     done = {}
     for log in filter(None, args.resume.split(",")):
-        header = Path(log).read_text().splitlines()[0]
-        tree = re.search(r"package tree (\w+)", header)
-        if tree is None or f"package tree {tree.group(1)}" not in what:
-            raise SystemExit(f"{log} was made from another package source ({header}); mutant ids would not match")
-        for line in Path(log).read_text().splitlines():
-            hit = re.match(r"\[\d+/\d+\] (\S+)\s+(killed|survived|timeout|equivalent)\s", line)
-            if hit:
-                done[hit.group(1)] = (hit.group(2), line)
+        text = Path(log).read_text().splitlines()
+        commit = re.search(r"commit (\w+)", text[0])
+        if commit is None:
+            raise SystemExit(f"{log}: not a log of a run on a commit ({text[0]})")
+        # a module's earlier results count only when its source is byte-identical to the copy's
+        same = {name for name, t in TARGETS.items()
+                if _blob(f"{commit.group(1)}:{t.path}") == _hash_file(workdir / t.path)}
+        for line in text:
+            hit = re.match(r"\[\d+/\d+\] ((\w+):\S*)\s+(killed|survived|timeout|equivalent)\s", line)
+            if hit and hit.group(2) in same or hit and hit.group(1).startswith("planted:") and hit.group(1) in {
+                    m.id for m in mutants if m.module in same}:
+                done[hit.group(1)] = (hit.group(3), line)
+        print(f"resuming {log}: results of {', '.join(sorted(same)) or 'no module'} reused (unchanged source)",
+              flush=True)
     for module in dict.fromkeys(m.module for m in mutants if done.get(m.id, ("",))[0] not in ("killed", "timeout")):
         status, took, failed = run_tests(workdir, TARGETS[module].tests, timeout=3600)
         if status != "survived":
