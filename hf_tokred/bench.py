@@ -21,6 +21,7 @@ import torch
 from tqdm.auto import tqdm
 
 from . import fastpath
+from .compat import cache_kwargs, cache_of
 from .flops import flops_reduction, measured_proxy_reduction
 from .models import load_model
 from .outputs import record_reduction
@@ -60,12 +61,12 @@ def _prefill_and_decode(model, ids, setting: BenchSetting, decode_tokens: int, d
             _sync(device)
             setting.prefill_s.append(time.perf_counter() - t0)
         setting.overhead_s.append(sum(r.plan_seconds + r.apply_seconds for r in records))
-        cache, nxt = out.cache, out.logits[:, -1:].argmax(-1)
+        cache, nxt = cache_of(out), out.logits[:, -1:].argmax(-1)
         if decode_tokens:
             t0 = time.perf_counter()
             for _ in range(decode_tokens):
-                step = model(nxt, cache=cache, use_cache=True)
-                cache, nxt = step.cache, step.logits[:, -1:].argmax(-1)
+                step = model(nxt, **cache_kwargs(cache), use_cache=True)
+                cache, nxt = cache_of(step), step.logits[:, -1:].argmax(-1)
             _sync(device)
             setting.decode_s.append(time.perf_counter() - t0)
     if records:

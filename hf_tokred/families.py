@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-__all__ = ["FAMILIES", "Family", "FlopsBreakdown", "family_of", "supported_text"]
+__all__ = ["FAMILIES", "Family", "FlopsBreakdown", "family_names", "family_of", "supported_text"]
 
 
 @dataclass(frozen=True)
@@ -82,6 +82,13 @@ def mamba1_layer_flops(config: Any, L: int, B: int) -> FlopsBreakdown:
     )
 
 
+def falcon_mamba_layer_flops(config: Any, L: int, B: int) -> FlopsBreakdown:
+    """Mamba-1's block plus Falcon Mamba's three weightless RMS norms on the SSM inputs (``dt`` over the time-step
+    rank, ``B`` and ``C`` over the state): square, sum and scale, ``3`` FLOPs per feature and token."""
+    extra = 3 * B * L * (int(config.time_step_rank) + 2 * config.state_size)
+    return mamba1_layer_flops(config, L, B) + FlopsBreakdown(0, 0, 0, extra, 0, elementwise=extra)
+
+
 def mamba2_layer_flops(config: Any, L: int, B: int) -> FlopsBreakdown:
     d = config.hidden_size
     D = int(config.expand * d)
@@ -137,12 +144,20 @@ def _softplus(x):
     return x.clamp(max=20.0).exp().log1p().where(x <= 20.0, x)
 
 
+def _mean_step_size(mixer, time_step):
+    dt = time_step.float() @ mixer.dt_proj.weight.float().t() + mixer.dt_proj.bias.float()
+    return _softplus(dt).mean(-1)
+
+
 def mamba1_delta(mixer, inputs, output):
     """Mean step size per token from the output of ``mixer.x_proj`` (``[B, L, rank + 2N]``): ``softplus(dt_proj(
     time_step))`` averaged over the SSM's channels -> ``[B, L]``."""
-    time_step = output[..., : mixer.time_step_rank].float()
-    dt = time_step @ mixer.dt_proj.weight.float().t() + mixer.dt_proj.bias.float()
-    return _softplus(dt).mean(-1)
+    return _mean_step_size(mixer, output[..., : mixer.time_step_rank])
+
+
+def falcon_mamba_delta(mixer, inputs, output):
+    """As :func:`mamba1_delta`, after Falcon Mamba's RMS norm of the time step (``mixer.dt_layernorm``)."""
+    return _mean_step_size(mixer, mixer.dt_layernorm(output[..., : mixer.time_step_rank]))
 
 
 def mamba2_delta(mixer, inputs, output):
@@ -165,6 +180,7 @@ class Family:
     lm_class: str  # transformers class names
     backbone_class: str
     config_class: str
+    modeling_module: str  # the transformers module that defines them
     mixer_takes_kwargs: bool  # the block forwards **kwargs to its mixer (Mamba2Block does, MambaBlock does not)
     layer_flops: Callable[[Any, int, int], FlopsBreakdown]
     #: the mixer submodule whose forward hook sees the step sizes, and how to read them (``[B, L]`` per token)
@@ -172,8 +188,11 @@ class Family:
     delta: Callable[[Any, Any, Any], Any] | None = None
     #: size name -> (hidden_size, num_hidden_layers) of the public checkpoints
     sizes: dict[str, tuple[int, int]] = field(default_factory=dict)
-    #: config kwargs of a random model of hidden size ``d`` (besides hidden_size, layers, vocab, token ids)
+    #: config kwargs of a random model of hidden size ``d`` (besides hidden_size, layers, token ids; may set vocab)
     random_kwargs: Callable[[int, bool], dict] = lambda d, tiny: {}
+    #: module-level functions of ``modeling_module`` that hf_tokred's fast Mamba-1 kernels replace (the selective
+    #: scan and the causal convolution, looked up as globals by the mixer at call time)
+    fast_functions: tuple[str, ...] = ()
 
 
 def _mamba2_random(d: int, tiny: bool) -> dict:
@@ -182,20 +201,41 @@ def _mamba2_random(d: int, tiny: bool) -> dict:
                 n_groups=1, chunk_size=32 if tiny else 256)
 
 
+_MAMBA1_FAST = ("mamba_selective_scan", "causal_conv1d_fn")
+
 FAMILIES: dict[str, Family] = {
     "mamba": Family(
-        "mamba", "Mamba", "MambaForCausalLM", "MambaModel", "MambaConfig", False, mamba1_layer_flops, "x_proj",
-        mamba1_delta, {"tiny": (64, 12), "130m": (768, 24), "370m": (1024, 48), "790m": (1536, 48), "1.4b": (2048, 48),
-         "2.8b": (2560, 64)},
-        lambda d, tiny: dict(state_size=16),
+        model_type="mamba", name="Mamba", lm_class="MambaForCausalLM", backbone_class="MambaModel",
+        config_class="MambaConfig", modeling_module="transformers.models.mamba.modeling_mamba",
+        mixer_takes_kwargs=False, layer_flops=mamba1_layer_flops, delta_source="x_proj", delta=mamba1_delta,
+        sizes={"tiny": (64, 12), "130m": (768, 24), "370m": (1024, 48), "790m": (1536, 48), "1.4b": (2048, 48),
+               "2.8b": (2560, 64)},
+        random_kwargs=lambda d, tiny: dict(state_size=16), fast_functions=_MAMBA1_FAST,
     ),
     "mamba2": Family(
-        "mamba2", "Mamba-2", "Mamba2ForCausalLM", "Mamba2Model", "Mamba2Config", True, mamba2_layer_flops, "in_proj",
-        mamba2_delta, {"tiny": (64, 12), "130m": (768, 24), "370m": (1024, 48), "780m": (1536, 48), "1.3b": (2048, 48),
-         "2.7b": (2560, 64)},
-        _mamba2_random,
+        model_type="mamba2", name="Mamba-2", lm_class="Mamba2ForCausalLM", backbone_class="Mamba2Model",
+        config_class="Mamba2Config", modeling_module="transformers.models.mamba2.modeling_mamba2",
+        mixer_takes_kwargs=True, layer_flops=mamba2_layer_flops, delta_source="in_proj", delta=mamba2_delta,
+        sizes={"tiny": (64, 12), "130m": (768, 24), "370m": (1024, 48), "780m": (1536, 48), "1.3b": (2048, 48),
+               "2.7b": (2560, 64)},
+        random_kwargs=_mamba2_random,
+    ),
+    # Mamba-1 blocks whose mixer normalises dt, B and C (weightless RMS norms) before the scan
+    "falcon_mamba": Family(
+        model_type="falcon_mamba", name="Falcon Mamba", lm_class="FalconMambaForCausalLM",
+        backbone_class="FalconMambaModel", config_class="FalconMambaConfig",
+        modeling_module="transformers.models.falcon_mamba.modeling_falcon_mamba", mixer_takes_kwargs=False,
+        layer_flops=falcon_mamba_layer_flops, delta_source="x_proj", delta=falcon_mamba_delta,
+        sizes={"tiny": (64, 12), "7b": (4096, 64)},
+        random_kwargs=lambda d, tiny: dict(state_size=16, **({} if tiny else {"vocab_size": 65024})),
+        fast_functions=_MAMBA1_FAST,
     ),
 }
+
+
+def family_names() -> str:
+    """``Mamba / Mamba-2 / Falcon Mamba``: the supported families, for messages."""
+    return " / ".join(f.name for f in FAMILIES.values())
 
 
 def supported_text() -> str:

@@ -2,7 +2,9 @@
 
 transformers' fallback for the Mamba-1 selective scan steps through time in Python. We rebind the
 module-level ``mamba_selective_scan`` (looked up as a global at call time by ``MambaMixer.forward``)
-to a dispatcher:
+to a dispatcher, in every family's modeling module that has one (the families table's ``fast_functions``:
+``modeling_mamba`` and ``modeling_falcon_mamba``, which carries its own copies; each dispatcher falls back to its
+own module's function):
 
 * CPU tensors: the compiled scan of :mod:`hf_tokred.ops.cpu` when it can be built, else
   :func:`hf_tokred.ops.scan.selective_scan` (chunked torch; both equal the stock loop in fp32 — in bf16/fp16 they
@@ -23,12 +25,14 @@ Mamba-2 keeps transformers' chunked SSD code (mamba-ssm's Triton kernels when in
 from __future__ import annotations
 
 import contextlib
+import importlib
 import importlib.util
 import logging
+from collections.abc import Callable
 
 import torch
-from transformers.models.mamba import modeling_mamba
 
+from .families import FAMILIES
 from .ops import cpu as cpu_kernel
 from .ops import pack_padded, selective_scan_varlen, unpack_padded
 from .ops.scan import selective_scan
@@ -36,8 +40,6 @@ from .ops.scan import selective_scan
 __all__ = ["CUDA_ADVICE_FILTER", "REPLACEMENTS", "causal_conv1d_fn", "mamba_selective_scan", "stock_kernels"]
 
 logger = logging.getLogger("hf_tokred")
-_STOCK = {"mamba_selective_scan": modeling_mamba.mamba_selective_scan,
-          "causal_conv1d_fn": modeling_mamba.causal_conv1d_fn}
 _logged: set[str] = set()
 
 
@@ -114,35 +116,43 @@ def _cuda_scan(hidden_states, *args, **kwargs):
     return _call_compiled(_triton_scan, selective_scan, tensors, static)
 
 
-def mamba_selective_scan(hidden_states, *args, **kwargs):
-    """Dispatch transformers' Mamba-1 scan by device (see the module docstring)."""
-    if hidden_states.device.type == "cpu":
-        kwargs = {k: v for k, v in kwargs.items() if k not in ("use_mambapy", "use_associative_scan")}
-        call = dict(zip(_SCAN_TENSORS, (hidden_states, *args)), **kwargs)
-        A = call.get("A")
-        if A is not None and A.shape[-1] <= cpu_kernel.MAX_STATE and cpu_kernel.available():
-            _log_once("hf_tokred compiled (CPU)")
-            tensors = {k: call.get(k) for k in _SCAN_TENSORS}
-            static = {k: v for k, v in call.items() if k not in _SCAN_TENSORS}
-            return _call_compiled(cpu_kernel.selective_scan_cpu, selective_scan, tensors, static)
-        _log_once("hf_tokred chunked torch (CPU)")
-        return selective_scan(hidden_states, *args, **kwargs)
-    if hidden_states.device.type == "cuda" and not _mamba_ssm_installed():
-        _log_once("hf_tokred Triton (CUDA)")
-        return _cuda_scan(hidden_states, *args, **kwargs)
-    _log_once(f"transformers / mamba-ssm ({hidden_states.device.type})")
-    return _STOCK["mamba_selective_scan"](hidden_states, *args, **kwargs)
+def _scan_dispatcher(stock: Callable) -> Callable:
+    def mamba_selective_scan(hidden_states, *args, **kwargs):
+        """Dispatch transformers' Mamba-1 scan by device (see the module docstring)."""
+        if hidden_states.device.type == "cpu":
+            kwargs = {k: v for k, v in kwargs.items() if k not in ("use_mambapy", "use_associative_scan")}
+            call = dict(zip(_SCAN_TENSORS, (hidden_states, *args)), **kwargs)
+            A = call.get("A")
+            if A is not None and A.shape[-1] <= cpu_kernel.MAX_STATE and cpu_kernel.available():
+                _log_once("hf_tokred compiled (CPU)")
+                tensors = {k: call.get(k) for k in _SCAN_TENSORS}
+                static = {k: v for k, v in call.items() if k not in _SCAN_TENSORS}
+                return _call_compiled(cpu_kernel.selective_scan_cpu, selective_scan, tensors, static)
+            _log_once("hf_tokred chunked torch (CPU)")
+            return selective_scan(hidden_states, *args, **kwargs)
+        if hidden_states.device.type == "cuda" and not _mamba_ssm_installed():
+            _log_once("hf_tokred Triton (CUDA)")
+            return _cuda_scan(hidden_states, *args, **kwargs)
+        _log_once(f"transformers / mamba-ssm ({hidden_states.device.type})")
+        return stock(hidden_states, *args, **kwargs)
+
+    return mamba_selective_scan
 
 
-def causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, **kwargs):
-    """transformers' Mamba-1 convolution: fused compiled kernel on CPU (no gradient, no extra options), else stock."""
-    stock = _STOCK["causal_conv1d_fn"]
-    if (hidden_states.device.type == "cpu" and activation in (None, "silu", "swish")
-            and not any(v is not None for v in kwargs.values()) and cpu_kernel.available()):
-        return _call_compiled(cpu_kernel.causal_conv1d_cpu, stock,
-                              {"hidden_states": hidden_states, "weight": weight, "bias": bias},
-                              {"activation": activation})
-    return stock(hidden_states, weight, bias, activation=activation, **kwargs)
+def _conv_dispatcher(stock: Callable) -> Callable:
+    def causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, **kwargs):
+        """transformers' Mamba-1 convolution: fused compiled kernel on CPU (no extra options), else stock."""
+        if (hidden_states.device.type == "cpu" and activation in (None, "silu", "swish")
+                and not any(v is not None for v in kwargs.values()) and cpu_kernel.available()):
+            return _call_compiled(cpu_kernel.causal_conv1d_cpu, stock,
+                                  {"hidden_states": hidden_states, "weight": weight, "bias": bias},
+                                  {"activation": activation})
+        return stock(hidden_states, weight, bias, activation=activation, **kwargs)
+
+    return causal_conv1d_fn
+
+
+_DISPATCHERS = {"mamba_selective_scan": _scan_dispatcher, "causal_conv1d_fn": _conv_dispatcher}
 
 
 class _NoCudaAdviceOnCpu(logging.Filter):
@@ -156,18 +166,38 @@ class _NoCudaAdviceOnCpu(logging.Filter):
 
 CUDA_ADVICE_FILTER = _NoCudaAdviceOnCpu()
 HUB_KERNELS_LOGGER = "transformers.integrations.hub_kernels"
-#: the module-level functions of ``modeling_mamba`` this module replaces (``install()`` applies and records them)
-REPLACEMENTS = {"mamba_selective_scan": mamba_selective_scan, "causal_conv1d_fn": causal_conv1d_fn}
+
+
+def _stock_functions() -> dict:
+    """transformers' own functions, per modeling module of every family with fast functions (read at import,
+    before ``install()`` replaces them)."""
+    found = {}
+    for family in FAMILIES.values():
+        if family.fast_functions:
+            module = importlib.import_module(family.modeling_module)
+            found[module] = {name: getattr(module, name) for name in family.fast_functions}
+    return found
+
+
+_STOCK = _stock_functions()
+#: ``{module: {function name: replacement}}`` (``install()`` applies and records them)
+REPLACEMENTS = {module: {name: _DISPATCHERS[name](fn) for name, fn in stock.items()}
+                for module, stock in _STOCK.items()}
+_MAMBA = importlib.import_module(FAMILIES["mamba"].modeling_module)
+#: the dispatchers installed into ``modeling_mamba``
+mamba_selective_scan = REPLACEMENTS[_MAMBA]["mamba_selective_scan"]
+causal_conv1d_fn = REPLACEMENTS[_MAMBA]["causal_conv1d_fn"]
 
 
 @contextlib.contextmanager
 def stock_kernels():
     """Temporarily restore transformers' own code paths (for side-by-side benchmarks and tests)."""
-    saved = {name: getattr(modeling_mamba, name) for name in _STOCK}
-    for name, fn in _STOCK.items():
-        setattr(modeling_mamba, name, fn)
+    saved = [(module, name, getattr(module, name)) for module, stock in _STOCK.items() for name in stock]
+    for module, stock in _STOCK.items():
+        for name, fn in stock.items():
+            setattr(module, name, fn)
     try:
         yield
     finally:
-        for name, fn in saved.items():
-            setattr(modeling_mamba, name, fn)
+        for module, name, fn in saved:
+            setattr(module, name, fn)

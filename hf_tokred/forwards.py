@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .compat import with_legacy_cache_name
 from .loop import check_shapes, generation_prompt, reduced_backbone
 from .outputs import TokenReductionCausalLMOutput, TokenReductionModelOutput, computed_mask, scatter_to_positions
 from .settings import active
@@ -29,10 +30,13 @@ def _bind(signature: inspect.Signature, self, args, kwargs) -> dict[str, Any]:
     bound.apply_defaults()
     params = dict(bound.arguments)
     params.pop("self")
-    extra = params.pop("kwargs", {})
-    if "cache_params" in extra:  # deprecated alias transformers still accepts
-        params["cache"] = extra.pop("cache_params")
-    return {**params, **extra}
+    params = {**params, **params.pop("kwargs", {})}
+    # the cache under either name (transformers renamed ``cache_params`` to ``cache`` in 5.24 and keeps the old name
+    # as a deprecated alias); the reducing loop calls it ``cache``
+    cache = params.pop("cache", None)
+    alias = params.pop("cache_params", None)
+    params["cache"] = cache if cache is not None else alias
+    return params
 
 
 def _length(p: dict) -> int:
@@ -61,7 +65,7 @@ def backbone_forward(original):
         )
         if not return_dict:
             return tuple(v for v in (out.last_hidden_state, out.cache, out.hidden_states) if v is not None)
-        return out
+        return with_legacy_cache_name(out)
 
     forward._hf_tokred_original = original
     return forward
@@ -133,9 +137,9 @@ def lm_forward(original):
         if not return_dict:
             out = tuple(v for v in (logits, r.cache, r.all_hidden) if v is not None)
             return ((loss,) + out) if loss is not None else out
-        return TokenReductionCausalLMOutput(loss=loss, logits=logits, cache=r.cache, hidden_states=r.all_hidden,
-                                            computed_mask=computed_mask(r.positions, N), kept_positions=r.positions,
-                                            plans=r.plans)
+        return with_legacy_cache_name(TokenReductionCausalLMOutput(
+            loss=loss, logits=logits, cache=r.cache, hidden_states=r.all_hidden,
+            computed_mask=computed_mask(r.positions, N), kept_positions=r.positions, plans=r.plans))
 
     forward._hf_tokred_original = original
     return forward

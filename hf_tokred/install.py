@@ -10,7 +10,8 @@
 * a ``token_reduction`` property on the supported config classes (:func:`hf_tokred.settings.settings_property`);
 * the settings-only variant's registration with ``AutoConfig`` / ``AutoModelForCausalLM``;
 * with ``fast_kernels`` (default; :func:`set_fast_kernels` switches them on their own): the Mamba-1 scan and
-  convolution functions of ``modeling_mamba`` (:mod:`hf_tokred.fastpath`), and a log filter that drops
+  convolution functions of ``modeling_mamba`` and ``modeling_falcon_mamba`` (:mod:`hf_tokred.fastpath`; the
+  families table names them), and a log filter that drops
   transformers' "install mamba_ssm / causal_conv1d" advice on machines without CUDA.
 
 :func:`uninstall` undoes all of it in reverse order, so transformers is exactly as it was before.
@@ -28,7 +29,6 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 from transformers.models.auto import modeling_auto
 from transformers.models.auto.auto_factory import _BaseAutoModelClass
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-from transformers.models.mamba import modeling_mamba
 
 from . import fastpath
 from .compat import check_transformers_version
@@ -108,8 +108,9 @@ def set_fast_kernels(enabled: bool) -> None:
         return
     if _FAST.undo:
         return
-    for name, fn in fastpath.REPLACEMENTS.items():
-        _FAST.setattr(modeling_mamba, name, fn)
+    for module, replacements in fastpath.REPLACEMENTS.items():
+        for name, fn in replacements.items():
+            _FAST.setattr(module, name, fn)
     logger = logging.getLogger(fastpath.HUB_KERNELS_LOGGER)
     _FAST.call(lambda: logger.addFilter(fastpath.CUDA_ADVICE_FILTER),
                lambda: logger.removeFilter(fastpath.CUDA_ADVICE_FILTER))

@@ -6,7 +6,10 @@
 * every ``AutoModel*.from_pretrained`` hands ``token_reduction=`` to the class it picks
   (:func:`hf_tokred.settings.handing_settings`);
 * ``AutoConfig.from_pretrained(..., token_reduction=)`` stores validated settings on a supported config and
-  refuses any other config (instead of silently dropping the argument).
+  refuses any other config (instead of silently dropping the argument);
+* all of them load original mamba_ssm checkpoints (``config.json`` with ``d_model`` / ``n_layer`` / ``ssm_cfg``,
+  weights under ``backbone.embedding...``), converting config and weights on load
+  (:mod:`hf_tokred.mamba_ssm_loading`), with or without ``token_reduction=``.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ from typing import Any
 from transformers import PreTrainedConfig, PreTrainedModel
 
 from .config import TokenReductionConfig
-from .families import FAMILIES, supported_text
+from .families import FAMILIES, family_names, supported_text
+from .mamba_ssm_loading import load_original, original_config, original_transformers_config
 from .settings import UNSET, apply_token_reduction, handing_settings, pending_settings
 from .variant import VARIANT_MODEL_TYPE, TokenReductionVariant
 
@@ -79,13 +83,15 @@ def model_from_pretrained(original):
             if model_type not in FAMILIES:
                 raise ValueError(
                     f"token_reduction supports {supported_text()}; {cls.__name__} (model_type={model_type!r}) cannot "
-                    "reduce tokens. Drop token_reduction= or load a Mamba / Mamba-2 checkpoint."
+                    f"reduce tokens. Drop token_reduction= or load a {family_names()} checkpoint."
                 )
+        raw = original_config(pretrained_model_name_or_path, kwargs)
         with handing_settings(UNSET):
             try:
-                model = original(cls, pretrained_model_name_or_path, *args, **kwargs)
+                model = (original(cls, pretrained_model_name_or_path, *args, **kwargs) if raw is None else
+                         load_original(original, cls, pretrained_model_name_or_path, raw, args, kwargs))
             except OSError:
-                if not _is_settings_only_variant(pretrained_model_name_or_path, kwargs):
+                if raw is not None or not _is_settings_only_variant(pretrained_model_name_or_path, kwargs):
                     raise
                 return _load_variant_as(cls, pretrained_model_name_or_path, token_reduction, args, kwargs)
         if not isinstance(model, PreTrainedModel):  # e.g. output_loading_info=True returns a tuple
@@ -114,14 +120,16 @@ def auto_config_from_pretrained(original):
     """Wrapper of ``AutoConfig.from_pretrained``."""
 
     @functools.wraps(original)
-    def from_pretrained(cls, *args, token_reduction=UNSET, **kwargs):
-        loaded = original(cls, *args, **kwargs)
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, token_reduction=UNSET, **kwargs):
+        raw = original_config(pretrained_model_name_or_path, kwargs)
+        loaded = (original(cls, pretrained_model_name_or_path, *args, **kwargs) if raw is None else
+                  original_transformers_config(raw, pretrained_model_name_or_path, **kwargs))
         if token_reduction is UNSET:
             return loaded
         config = loaded[0] if isinstance(loaded, tuple) else loaded
         if getattr(config, "model_type", None) not in FAMILIES:
             raise ValueError(
-                f"token_reduction applies to Mamba / Mamba-2 configs; this config has "
+                f"token_reduction applies to {family_names()} configs; this config has "
                 f"model_type={getattr(config, 'model_type', None)!r}. Drop token_reduction= for this model."
             )
         if token_reduction is not None:

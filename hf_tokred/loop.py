@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import DynamicCache
 
-from .compat import recurrent_mask
+from .compat import cache_kwargs, recurrent_mask
 from .config import ResolvedSchedule, TokenReductionConfig
 from .families import family_of
 from .ops import fused_apply_plan
@@ -140,7 +140,7 @@ def _anchor_block(block, family, hidden, cache, layer_mask, real, protected, cfg
         residual = residual.to(torch.float32)
     metric = cfg.importance_metric
     with _step_sizes(block.mixer, family, metric == "delta") as delta:
-        h = block.mixer(h, cache=cache, attention_mask=layer_mask, **mixer_kwargs)
+        h = block.mixer(h, **cache_kwargs(cache), attention_mask=layer_mask, **mixer_kwargs)
     with torch.no_grad(), timer("plan"):
         spec = cfg.spec
         scores = None if delta is None else delta.get()[:, :prefix]
@@ -228,7 +228,7 @@ def reduced_backbone(backbone, cfg: TokenReductionConfig, schedule: ResolvedSche
                 positions = reduce_along(positions, plan, -1)
                 layer_mask = None if bool(real.all()) else real.to(torch.long)
         else:
-            hidden = block(hidden, cache=cache, attention_mask=layer_mask, **kwargs)
+            hidden = block(hidden, **cache_kwargs(cache), attention_mask=layer_mask, **kwargs)
         if output_hidden_states:
             all_hidden += (hidden,)
     hidden = backbone.norm_f(hidden)

@@ -6,8 +6,10 @@ Model specs understood everywhere a command takes ``--model``:
   ``bundled:recall-mamba`` / ``bundled:recall-mamba2``: the multi-query associative recall models, shipped
   with the package (offline);
 * ``random:<family>-<size>``: random weights in the shape of a real checkpoint, e.g. ``random:mamba-130m``,
-  ``random:mamba2-2.7b``, ``random:mamba-tiny`` (for speed/memory work and tests; the text they produce is noise);
-* anything else: a local folder or Hub id passed to ``AutoModelForCausalLM.from_pretrained``.
+  ``random:mamba2-2.7b``, ``random:falcon_mamba-7b``, ``random:mamba-tiny`` (for speed/memory work and tests; the
+  text they produce is noise);
+* anything else: a local folder or Hub id passed to ``AutoModelForCausalLM.from_pretrained`` (transformers
+  checkpoints, and original mamba_ssm ones, converted on load).
 """
 
 from __future__ import annotations
@@ -73,9 +75,9 @@ def random_config(name: str):
         raise ValueError(f"unknown random model {name!r}; known: {_random_names()}")
     hidden, layers = family.sizes[size]
     tiny = size == "tiny"
-    return AutoConfig.for_model(model_type, vocab_size=512 if tiny else 50280, hidden_size=hidden,
-                                num_hidden_layers=layers, pad_token_id=1, eos_token_id=0, bos_token_id=0,
-                                **family.random_kwargs(hidden, tiny))
+    kwargs = {"vocab_size": 512 if tiny else 50280, **family.random_kwargs(hidden, tiny)}
+    return AutoConfig.for_model(model_type, hidden_size=hidden, num_hidden_layers=layers, pad_token_id=1,
+                                eos_token_id=0, bos_token_id=0, **kwargs)
 
 
 def byte_tokenizer() -> PreTrainedTokenizerFast:

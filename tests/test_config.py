@@ -6,7 +6,6 @@ import pytest
 
 from hf_tokred import TokenReductionConfig, default_anchors
 from hf_tokred.config import schedule_proxy_reduction as proxy_flops_reduction
-from hf_tokred.compat import UnsupportedTransformersVersion, check_transformers_version
 
 # method.md b.4: per-anchor keep ratios for 10/20/30 % FLOPs reduction.
 PAPER = {
@@ -115,12 +114,3 @@ def test_unknown_keys_in_a_saved_block_are_rejected():
         TokenReductionConfig.from_dict({"method": "utrc", "ratio": 0.9})
     with pytest.raises(TypeError, match="dict"):
         TokenReductionConfig.coerce([("method", "utrc")])
-
-
-def test_transformers_version_gate():
-    check_transformers_version("5.24.0")
-    check_transformers_version("5.24.3")
-    for bad in ("5.23.0", "5.25.0", "4.57.6"):
-        with pytest.raises(UnsupportedTransformersVersion, match="transformers>=5.24.0,<5.25.0") as info:
-            check_transformers_version(bad)
-        assert isinstance(info.value, ValueError)

@@ -8,6 +8,7 @@ import torch
 from transformers.models.mamba import modeling_mamba
 
 from hf_tokred import fastpath
+from hf_tokred.compat import cache_kwargs, cache_of
 
 from conftest import STOCK, stock_forward, tiny_model
 
@@ -29,12 +30,12 @@ def test_dense_model_and_cache_equal_stock_loop():
         ours = model(ids, attention_mask=mask, use_cache=True)
         ref = stock_forward(model, ids, attention_mask=mask, use_cache=True)
         nxt = torch.tensor([[5], [7]])
-        ours_step = model(nxt, cache=ours.cache)
-        ref_step = stock_forward(model, nxt, cache=ref.cache)
+        ours_step = model(nxt, **cache_kwargs(cache_of(ours)))
+        ref_step = stock_forward(model, nxt, **cache_kwargs(cache_of(ref)))
     assert torch.allclose(ours.logits, ref.logits, atol=1e-5, rtol=0)
     for layer in range(3):  # the final SSM state the cache holds for decoding
-        assert torch.allclose(ours.cache.layers[layer].recurrent_states[0], ref.cache.layers[layer].recurrent_states[0],
-                              atol=1e-5, rtol=0)
+        assert torch.allclose(cache_of(ours).layers[layer].recurrent_states[0],
+                              cache_of(ref).layers[layer].recurrent_states[0], atol=1e-5, rtol=0)
     assert torch.allclose(ours_step.logits, ref_step.logits, atol=1e-5, rtol=0)
 
 

@@ -9,19 +9,19 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import bench, eval, generate, push, report, schedule
+from . import bench, convert, eval, generate, push, report, schedule
 from .common import UsageError, quiet_libraries
 
 __all__ = ["COMMANDS", "UsageError", "build_parser", "main"]
 
 #: modules whose ``add_parser(subparsers)`` registers subcommands, in help order
-COMMANDS = (generate, schedule, bench, eval, report, push)
+COMMANDS = (generate, schedule, bench, eval, report, push, convert)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hf-tokred",
-        description="Token reduction for Hugging Face Mamba / Mamba-2 models (UTRC and baselines).",
+        description="Token reduction for Hugging Face Mamba / Mamba-2 / Falcon Mamba models (UTRC and baselines).",
         epilog="Example: hf-tokred generate --model bundled:mamba --flops-reduction 0.2",
     )
     parser.add_argument("-v", "--verbose", action="store_true",
