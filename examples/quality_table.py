@@ -4,8 +4,8 @@
 Language models (``bundled:mamba``, ``bundled:mamba2``): held-out BoolQ passages (never trained on), the last 32
 tokens of each protected and scored; suffix perplexity, top-1 agreement and KL(dense || reduced) at exactly those
 positions.  Recall models (``bundled:recall-mamba``, ``bundled:recall-mamba2``): MQAR accuracy at the (protected)
-query positions.  Every row also has the exact FLOPs reduction measured on the sequences evaluated (analytic,
-per row, LM head on every computed position) and the paper's proxy.
+query positions, with anchors at blocks 0-3 (see RECALL_ANCHORS).  Every row also has the exact FLOPs reduction
+measured on the sequences evaluated (analytic, per row, LM head on every computed position) and the paper's proxy.
 
     python examples/quality_table.py --out results/quality                  # everything (resumable)
     python examples/quality_table.py --out runs/q --passages 20 --sequences 64 --levels 0.2   # quick look
@@ -43,7 +43,11 @@ METHODS = {
     "evit_recent": {"method": "evit", "protect_recent": 0.25},
     "evit_delta_recent": {"method": "evit", "metric": "delta", "protect_recent": 0.25},
     "utrc_delta": {"method": "utrc", "metric": "delta"},
+    "utrc_frozen": {"method": "utrc_frozen"},
 }
+#: the recall models run 8 blocks; the paper's rule anchors them at blocks 2-5, after the models have already moved
+#: the key-value information to later positions (every method then keeps recall), so they reduce from block 0
+RECALL_ANCHORS = [0, 1, 2, 3]
 LM_MODELS = ("mamba", "mamba2")
 RECALL_MODELS = ("recall-mamba", "recall-mamba2")
 
@@ -94,9 +98,11 @@ def recall_rows(name: str, args, done) -> None:
         for level in args.levels:
             if done.exists(name, method, level):
                 continue
-            hf_tokred.apply_token_reduction(model, TokenReductionConfig(flops_reduction=level, **extra))
+            hf_tokred.apply_token_reduction(model, TokenReductionConfig(flops_reduction=level, anchors=RECALL_ANCHORS,
+                                                                        **extra))
             result, meter = _measured(model, lambda: mqar_accuracy(model, settings, n=args.sequences))
             done(name, method, level, {"mqar_acc": list(result["accuracy"]), "sequences": result["sequences"],
+                                       "anchors": RECALL_ANCHORS,
                                        "mqar_vs_dense": result["accuracy"][0] / max(dense["accuracy"][0], 1e-9),
                                        **_flops_fields(meter, True)})
     hf_tokred.apply_token_reduction(model, None)
@@ -153,7 +159,7 @@ def plot(folder: Path, dest: Path) -> None:
               ("mqar_acc", RECALL_MODELS, "MQAR recall accuracy")]
     fig, axes = plt.subplots(1, 4, figsize=(18, 4.2))
     for ax, (key, name) in zip(axes, [(k, m) for k, ms, _ in panels for m in ms]):
-        for method in ["utrc", "utrc_reference", "evit", "tome", "evit_delta_recent"]:
+        for method in ["utrc", "utrc_reference", "evit", "tome", "utrc_frozen"]:
             pts = sorted((r["flops_exact"], r[key]) for r in rows if r["model"] == f"bundled:{name}"
                          and r["method"] in (method, "dense") and r.get(key))
             if pts:

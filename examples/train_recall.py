@@ -129,7 +129,7 @@ def cmd_train(args):
                     "settings": settings.to_dict()}, out / "ckpt.pt.tmp")
         os.replace(out / "ckpt.pt.tmp", ckpt)
 
-    while step < args.steps:
+    while step < min(args.steps, args.stop_at or args.steps):
         if args.minutes and elapsed_prev + time.time() - t0 > args.minutes * 60:
             break
         lr = lr_at(step, args.steps, args.lr, args.warmup)
@@ -197,6 +197,7 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--minutes", type=float, default=0)
+    p.add_argument("--stop-at", type=int, default=0, help="stop at this step (the LR schedule still spans --steps)")
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--mix-pairs", action="store_true", help="half the rows with fewer pairs (a curriculum)")
     p.add_argument("--curriculum", type=int, default=0,

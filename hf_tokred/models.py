@@ -23,7 +23,9 @@ import torch
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
+from .convert import NEOX_REPO, checkpoint_tokenizer
 from .families import FAMILIES
+from .mamba_ssm_loading import original_config
 from .settings import UNSET, apply_token_reduction
 
 __all__ = ["BUNDLED", "KEEP", "bundled_path", "check_model_spec", "load_bundled", "load_model", "random_config",
@@ -141,4 +143,18 @@ def load_model(spec: str, token_reduction: Any = KEEP, dtype: torch.dtype | None
     model = AutoModelForCausalLM.from_pretrained(
         spec, **_reduction_kwargs(token_reduction), **({"dtype": dtype} if dtype else {}), **kwargs
     ).eval()
-    return model, AutoTokenizer.from_pretrained(spec)
+    return model, _tokenizer(spec)
+
+
+def _tokenizer(spec: str):
+    """The checkpoint's tokenizer; for an original mamba_ssm checkpoint without one, GPT-NeoX-20B's (offline copy,
+    else the Hub's), which those checkpoints were trained with."""
+    if original_config(spec, {}) is None:
+        return AutoTokenizer.from_pretrained(spec)
+    tokenizer, origin = checkpoint_tokenizer(spec)
+    if tokenizer is not None:
+        return tokenizer
+    try:
+        return AutoTokenizer.from_pretrained(NEOX_REPO)
+    except OSError:
+        raise OSError(origin) from None

@@ -74,9 +74,13 @@ _SIM_GRID = 2.0**-16
 _SIM_BLOCK = 256
 
 
-def _best_cosine(xa: torch.Tensor, xb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _best_cosine(xa: torch.Tensor, xb: torch.Tensor, allowed: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """For each row of ``xa [g, m, D]``: its best cosine similarity with the rows of ``xb [g, k, D]``, rounded to
     the tie grid (in grid units: only the ordering is used), and the first row of ``xb`` that attains it.
+
+    With ``allowed [g, k]`` only those rows of ``xb`` are searched (the others score ``-inf``; a source with no
+    allowed row gets ``-inf``, no link); that search takes the plain torch pass.
 
     The ``[g, m, k]`` matrix is never held whole: blocks of rows (of unit-norm ``xa`` rows) are multiplied,
     scaled by the inverse norms of ``xb``, rounded and reduced while in cache.
@@ -87,14 +91,17 @@ def _best_cosine(xa: torch.Tensor, xb: torch.Tensor) -> tuple[torch.Tensor, torc
     g, m = xa.shape[:2]
     best = torch.empty(g, m, dtype=xa.dtype, device=xa.device)
     match = torch.empty(g, m, dtype=torch.long, device=xa.device)
-    fused = _cpu_grid_argmax(xa)
+    fused = _cpu_grid_argmax(xa) if allowed is None else None
     for i in range(0, m, _SIM_BLOCK):
         j = min(m, i + _SIM_BLOCK)
         sim = torch.matmul(xa[:, i:j], xbt)
         if fused is not None:  # compiled CPU pass: scale, round and arg-max each row while it is in cache
             best[:, i:j], match[:, i:j] = fused(sim, inv_b)
         else:
-            torch.max(sim.mul_(inv_b[:, None, :]).round_(), dim=-1, out=(best[:, i:j], match[:, i:j]))
+            sim = sim.mul_(inv_b[:, None, :]).round_()
+            if allowed is not None:
+                sim.masked_fill_(~allowed[:, None, :], -math.inf)
+            torch.max(sim, dim=-1, out=(best[:, i:j], match[:, i:j]))
     return best, match
 
 
@@ -148,7 +155,7 @@ def _top_links(link: torch.Tensor, r: torch.Tensor) -> tuple[torch.Tensor, torch
     return order, ok
 
 
-def _select_importance_similarity(h, s, protected, r, metric) -> Selection:
+def _select_importance_similarity(h, s, protected, r, metric, receive=True) -> Selection:
     """Paper Sec. 4: less important half matched to the more important half by cosine; keep the top links."""
     n = h.shape[1]
     order = torch.sort(s.masked_fill(protected, math.inf), dim=1, stable=True).indices
@@ -156,15 +163,15 @@ def _select_importance_similarity(h, s, protected, r, metric) -> Selection:
     ranked = _take(h.float(), order)  # tokens by importance; the less important half first
     if metric == "clip":
         ranked.clamp_min_(0)  # the features, made in place on the copy
-    best, match = _best_cosine(ranked[:, :n_a], ranked[:, n_a:])
     a, b = order[:, :n_a], order[:, n_a:]
+    best, match = _best_cosine(ranked[:, :n_a], ranked[:, n_a:], None if receive else ~protected.gather(1, b))
     best = best.masked_fill(protected.gather(1, a), -math.inf)
     sel, ok = _top_links(best, r)
     src = a.gather(1, sel)
     return Selection(src, b.gather(1, match.gather(1, sel)), ok, s.gather(1, src))
 
 
-def _select_reference(h, s, protected, r, metric) -> Selection:
+def _select_reference(h, s, protected, r, metric, receive=True) -> Selection:
     """The reference code's selection, operation for operation: a per-channel sort along the token axis,
     then ``a @ b^T`` on the sorted halves, with row ``i`` of ``a`` read as even token ``2i`` and row ``j``
     of ``b`` as odd token ``2j+1``.  On non-negative inputs this removes 0, 2, ..., 2r-2 into token 1.
@@ -186,17 +193,17 @@ def _select_reference(h, s, protected, r, metric) -> Selection:
     return Selection(src, 2 * match.gather(1, sel) + 1, ok, s.gather(1, src))
 
 
-def _select_bipartite(h, s, protected, r, metric) -> Selection:
+def _select_bipartite(h, s, protected, r, metric, receive=True) -> Selection:
     """ToMe / PuMer: even tokens matched to odd tokens by cosine; the most similar pairs merge."""
     feat = _features(h, metric)
-    best, match = _best_cosine(feat[:, 0::2], feat[:, 1::2])
+    best, match = _best_cosine(feat[:, 0::2], feat[:, 1::2], None if receive else ~protected[:, 1::2])
     best = best.masked_fill(protected[:, 0::2], -math.inf)
     sel, ok = _top_links(best, r)
     src = 2 * sel
     return Selection(src, 2 * match.gather(1, sel) + 1, ok, s.gather(1, src))
 
 
-def _select_importance(h, s, protected, r, metric) -> Selection:
+def _select_importance(h, s, protected, r, metric, receive=True) -> Selection:
     """EViT: remove the least important tokens; a removed token's destination (for merging strategies) is the
     next token to its right that stays (the last token is always protected, so one exists)."""
     sel, ok = _top_links(-s.masked_fill(protected, math.inf), r)
@@ -216,18 +223,26 @@ _SELECTORS = {
 }
 
 
+#: selections that can keep protected tokens from being merge destinations (``receive=False``)
+_RECEIVE_AWARE = frozenset({"importance_similarity", "bipartite"})
+
+
 def select(selection: str, h: torch.Tensor, protected: torch.Tensor, r: torch.Tensor, metric: str,
-           scores: torch.Tensor | None = None) -> Selection:
+           scores: torch.Tensor | None = None, receive: bool = True) -> Selection:
     """Run one selection rule on ``h [g, n, D]`` (all tokens real), ``protected [g, n]``, ``r [g]`` (``scores
-    [g, n]``: the precomputed importance of metrics that need the mixer's internals)."""
+    [g, n]``: the precomputed importance of metrics that need the mixer's internals; ``receive=False``: protected
+    tokens are not merge destinations either)."""
     try:
         fn = _SELECTORS[selection]
     except KeyError:
         raise ValueError(f"unknown selection {selection!r}; allowed: {', '.join(_SELECTORS)}") from None
+    if not receive and selection not in _RECEIVE_AWARE:
+        raise ValueError(f"selection {selection!r} has no protected-destination rule; receive=False needs one of "
+                         f"{sorted(_RECEIVE_AWARE)}")
     if h.shape[1] < 2 or int(r.max()) == 0:
         empty = torch.zeros(h.shape[0], 0, dtype=torch.long, device=h.device)
         return Selection(empty, empty, empty.bool(), empty.float())
-    return fn(h, importance(h, metric, scores), protected, r, metric)
+    return fn(h, importance(h, metric, scores), protected, r, metric, receive)
 
 
 @dataclass
@@ -261,6 +276,7 @@ def make_plan(
     metric: str,
     pairs: bool,
     scores: torch.Tensor | None = None,
+    receive: bool = True,
 ) -> Plan | None:
     """Plan one anchor from its mixer output ``h [B, N, D]``; ``None`` when no row loses a token.
 
@@ -286,12 +302,14 @@ def make_plan(
             pos = mask[rows].nonzero()[:, 1].view(len(rows), n)  # real positions, ascending
             h_rows, prot_rows = _take(h[rows], pos), protected[rows].gather(1, pos)
             s_rows = None if scores is None else scores[rows].gather(1, pos)
-        sel = select(selection, h_rows, prot_rows, r_all[rows], metric, s_rows)
+        sel = select(selection, h_rows, prot_rows, r_all[rows], metric, s_rows, receive)
         k = sel.src.shape[1]
         src[rows, :k] = sel.src if pos is None else pos.gather(1, sel.src)
         dst[rows, :k] = sel.dst if pos is None else pos.gather(1, sel.dst)
         ok[rows, :k] = sel.valid
         score[rows, :k] = sel.score
+    if not bool(ok.any()):  # every candidate was ineligible (e.g. utrc_frozen with only protected destinations)
+        return None
     rows_of = torch.arange(B, device=device)[:, None]
     removed = torch.zeros(B, N, dtype=torch.bool, device=device)
     removed[rows_of.expand(B, R)[ok], src[ok]] = True

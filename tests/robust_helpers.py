@@ -22,6 +22,7 @@ METHOD_STRATEGIES = {
     "tome": ("merge", "merge"),
     "prune_only": ("prune", "prune"),
     "merge_only": ("merge", "merge"),
+    "utrc_frozen": ("hybrid", "merge"),
 }
 #: selection rule of each method, and whether it pairs tokens (caps removal at half).
 METHOD_SELECTION = {
@@ -31,6 +32,7 @@ METHOD_SELECTION = {
     "tome": ("bipartite", True),
     "prune_only": ("importance_similarity", True),
     "merge_only": ("importance_similarity", True),
+    "utrc_frozen": ("importance_similarity", True),
 }
 
 
@@ -110,7 +112,8 @@ def _slow_forward_any_dtype(model, ids, plans, hidden_strategy, residual_strateg
     return logits, dtypes
 
 
-def expected_removed(n: int, protected_local: list[bool], keep_ratio: float, selection: str, pairs: bool) -> int:
+def expected_removed(n: int, protected_local: list[bool], keep_ratio: float, selection: str, pairs: bool,
+                     receive: bool = True) -> int:
     """How many tokens one anchor removes from a row of ``n`` real tokens: the documented schedule
     (``documented_num_to_remove``, exact arithmetic), limited only by the tokens the selection may not take.
 
@@ -118,6 +121,9 @@ def expected_removed(n: int, protected_local: list[bool], keep_ratio: float, sel
       sort to the important end, so only protected tokens beyond n//2 spill into ``A`` and are ineligible.
     * bipartite / reference: sources are the row's even tokens (0, 2, ...) that are not protected.
     * importance (EViT): any unprotected token.
+
+    ``receive=False`` (utrc_frozen): protected tokens are no merge destinations either, so a selection whose
+    destination set (the important half ``B``; the odd tokens) holds only protected tokens removes nothing.
     """
     r = documented_num_to_remove(n, keep_ratio, pairs)
     if n < 2 or r == 0:
@@ -125,18 +131,23 @@ def expected_removed(n: int, protected_local: list[bool], keep_ratio: float, sel
     p = sum(protected_local)
     if selection == "importance_similarity":
         eligible = (n - n // 2) - max(0, p - n // 2)
+        if not receive and min(p, n // 2) == n // 2:  # every token of B is protected
+            return 0
     elif selection in ("bipartite", "reference"):
         eligible = sum(1 for i in range(0, n, 2) if not protected_local[i])
+        if not receive and all(protected_local[i] for i in range(1, n, 2)):
+            return 0
     else:
         eligible = n - p
     return min(r, eligible)
 
 
-def schedule_kept(n: int, num_anchors: int, keep_ratio: float, selection: str, pairs: bool) -> list[int]:
+def schedule_kept(n: int, num_anchors: int, keep_ratio: float, selection: str, pairs: bool,
+                  receive: bool = True) -> list[int]:
     """Real-token count after each anchor when only the row's last token is protected (the model's default)."""
     counts = []
     for _ in range(num_anchors):
-        n -= expected_removed(n, [False] * (n - 1) + [True] if n else [], keep_ratio, selection, pairs)
+        n -= expected_removed(n, [False] * (n - 1) + [True] if n else [], keep_ratio, selection, pairs, receive)
         counts.append(n)
     return counts
 

@@ -182,7 +182,8 @@ def test_short_rows(m4, use_cache):
             with torch.no_grad():
                 out = m4(ids, use_cache=use_cache, labels=ids)
                 stock = stock_forward(m4, ids, use_cache=use_cache, labels=ids)
-            expect = schedule_kept(len(row), len(ANCHORS), cfg.keep_ratio, selection, pairs)
+            expect = schedule_kept(len(row), len(ANCHORS), cfg.keep_ratio, selection, pairs,
+                                   cfg.spec.protected_receive)
             assert (out.cache is None) == (not use_cache)
             if expect[-1] == len(row):
                 assert out.plans == (), (method, len(row))

@@ -60,10 +60,10 @@ def test_bench_runs_side_by_side(tmp_path):
     assert proc.returncode == 0, proc.stderr
     result = json.loads(out.read_text())
     names = [r["setting"] for r in result["rows"]]
-    assert names == ["dense", "stock transformers (dense)", "utrc 30%"]
+    assert names == ["dense", "stock transformers (dense)", "utrc_frozen 30%"]
     reduced = result["rows"][2]
     assert reduced["layer_lengths"][-1] < 64 and 0.2 < reduced["flops_reduction_proxy"] < 0.35
-    assert "| utrc 30% |" in proc.stdout
+    assert "| utrc_frozen 30% |" in proc.stdout
 
 
 def test_bench_memory_with_all_logits(tmp_path):

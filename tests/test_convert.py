@@ -277,7 +277,7 @@ def test_convert_writes_a_standard_folder_that_stock_transformers_loads(tmp_path
     monkeypatch.setattr(convert, "neox_tokenizer_file", lambda data_dir=None: neox)
     assert main(["convert", str(src), str(tmp_path / "dest"), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["model_class"] == "MambaForCausalLM" and report["tokenizer"] == str(neox)
+    assert report["model_class"] == "MambaForCausalLM" and str(neox) in report["tokenizer"]
     dest = tmp_path / "dest"
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in dest.iterdir()}
     assert json.loads((dest / "config.json").read_text())["model_type"] == "mamba"
@@ -315,7 +315,7 @@ def test_convert_keeps_a_tokenizer_the_source_has(tmp_path, capsys):
     src = write_checkpoint(tmp_path / "src", MAMBA1, random_state_dict(MAMBA1))
     word_tokenizer().save_pretrained(src)
     assert main(["convert", str(src), str(tmp_path / "dest")]) == 0
-    assert "tokenizer copied from" in capsys.readouterr().out
+    assert "tokenizer written: the checkpoint's own" in capsys.readouterr().out
     assert transformers.AutoTokenizer.from_pretrained(tmp_path / "dest")("w5 w6").input_ids == [5, 6]
 
 
@@ -338,3 +338,37 @@ def test_convert_user_errors_are_one_line(tmp_path, case, code, needle, capsys):
     assert main(["convert", str(src), str(dest)]) == code
     err = capsys.readouterr().err
     assert needle in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+# ----------------------------------------------------------------------------- 4. the commands take them directly
+
+
+def test_generate_takes_an_original_checkpoint(tmp_path, capsys):
+    src = write_checkpoint(tmp_path / "m", MAMBA1, random_state_dict(MAMBA1))
+    word_tokenizer().save_pretrained(src)  # a folder that carries its tokenizer
+    prompt = " ".join(f"w{i}" for i in range(5, 25))
+    assert main(["generate", prompt, "--model", str(src), "--keep-ratio", "0.7", "--anchors", "1",
+                 "--max-new-tokens", "3", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["reduction"]["tokens_removed"] > 0 and 1 <= len(out["completion"].split()) <= 3  # eos may stop it
+
+
+def test_load_model_gives_an_original_checkpoint_the_neox_tokenizer(tmp_path, monkeypatch, capsys):
+    src = write_checkpoint(tmp_path / "m", MAMBA2, random_state_dict(MAMBA2))  # no tokenizer files
+    neox = fake_neox(tmp_path)
+    monkeypatch.setattr(convert, "neox_tokenizer_file", lambda data_dir=None: neox)
+    model, tok = hf_tokred.load_model(str(src))
+    assert type(model) is Mamba2ForCausalLM
+    assert tok("hello world").input_ids == hf_tokred.models.byte_tokenizer()("hello world").input_ids
+    assert tok.eos_token == "<|endoftext|>" and not set(convert.NEOX_PII_TOKENS) & set(tok.get_vocab())
+
+    def missing(data_dir=None):
+        raise DataMissingError("offline evaluation data not found")
+
+    monkeypatch.setattr(convert, "neox_tokenizer_file", missing)
+    monkeypatch.setattr(hf_tokred.models, "NEOX_REPO", "hf-tokred-tests/no-such-tokenizer")  # offline: unreachable
+    with pytest.raises(OSError, match="has no tokenizer of its own; these checkpoints use GPT-NeoX-20B's"):
+        hf_tokred.load_model(str(src))
+    assert main(["generate", "x", "--model", str(src)]) == 1
+    err = capsys.readouterr().err
+    assert "hf-tokred data" in err and len(err.strip().splitlines()) == 1

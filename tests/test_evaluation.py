@@ -168,7 +168,7 @@ def eval_runs(data_root, tmp_path_factory):
     common = ["--model", "random:mamba-tiny", "--tasks", "lambada_openai,arc_easy,piqa", "--limit", "4",
               "--batch-size", "4", "--max-length", "256", "--output", str(out)]
     runs = {}
-    for name, extra in (("dense", []), ("utrc", ["--flops-reduction", "0.3"])):
+    for name, extra in (("dense", []), ("utrc", ["--method", "utrc", "--flops-reduction", "0.3"])):
         import contextlib
         import io
 

@@ -87,7 +87,7 @@ def test_quality_table(runs):
     import json
 
     rows = [json.loads(line) for line in _output(runs, "quality_table").splitlines() if line.startswith("{")]
-    assert [r["method"] for r in rows][0] == "dense" and len(rows) == 11
+    assert [r["method"] for r in rows][0] == "dense" and len(rows) == 12
     for r in rows[1:]:
         low, est, high = r["top1_agreement"][1], r["top1_agreement"][0], r["top1_agreement"][2]
         assert 0 <= low <= est <= high <= 1 and r["flops_exact"] > 0.2

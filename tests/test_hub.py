@@ -370,7 +370,8 @@ def run_cli(argv, monkeypatch):
 
 def test_push_output_writes_a_settings_only_variant(base, tmp_path, monkeypatch, capsys):
     out = tmp_path / "out"
-    assert run_cli(["push", "--model", str(base), "--flops-reduction", "0.2", "--anchors", "1,3", "--output", str(out),
+    assert run_cli(["push", "--model", str(base), "--method", "utrc", "--flops-reduction", "0.2", "--anchors", "1,3",
+                    "--output", str(out),
                     "--repo", "someone/v", "--json"], monkeypatch) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["uploaded"] is False and summary["kind"] == "settings-only"
@@ -384,7 +385,8 @@ def test_push_full_copy_uploads_with_the_hf_api(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(hf_tokred.hub.publish, "HfApi", lambda token=None: fake)
     result = _eval_result({"method": "utrc", "flops_reduction": 0.2}, layers=12, acc=0.4, model="random:mamba-tiny")
     (tmp_path / "r.json").write_text(json.dumps(result))
-    assert run_cli(["push", "--model", "random:mamba-tiny", "--flops-reduction", "0.2", "--full-copy", "--private",
+    assert run_cli(["push", "--model", "random:mamba-tiny", "--method", "utrc", "--flops-reduction", "0.2", "--full-copy",
+                    "--private",
                     "--repo", "someone/tiny-full", "--eval-results", str(tmp_path / "r.json"), "--json"],
                    monkeypatch) == 0
     assert json.loads(capsys.readouterr().out)["uploaded"] is True

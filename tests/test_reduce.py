@@ -444,3 +444,51 @@ def test_importance_ties_on_long_rows():
     protected[0, -1] = True
     plan = make_plan(h, mask, protected, 0.5, "importance", "clip", False)
     assert sorted(plan.src[0][plan.src_mask[0]].tolist()) == list(range(24))
+
+
+@pytest.mark.parametrize("selection", ["importance_similarity", "bipartite"])
+def test_protected_tokens_receive_no_merge_when_frozen(selection):
+    """``receive=False`` (utrc_frozen): a protected token is neither removed nor a merge destination, so it stays
+    exactly as computed; with the paper's rule (``receive=True``) it may receive merges."""
+    g = torch.Generator().manual_seed(5)
+    h = torch.randn(2, 20, 6, generator=g)
+    h[:, 1::2] = h[:, 0::2] + 0.01  # every even token is most similar to the odd one after it
+    protected = torch.zeros(2, 20, dtype=torch.bool)
+    protected[:, 1:8] = True
+    mask = torch.ones(2, 20, dtype=torch.bool)
+    for receive in (True, False):
+        plan = make_plan(h, mask, protected, 0.6, selection, "noclip", True, receive=receive)
+        dst = plan.dst[plan.src_mask]
+        assert not protected[0][plan.src[0][plan.src_mask[0]]].any()
+        hit = bool(protected.gather(1, plan.dst).masked_select(plan.src_mask).any())
+        assert hit == receive, (selection, receive, dst.tolist())
+    x = torch.randn(2, 20, 3, generator=g)
+    out = apply_plan(x, plan, "merge")
+    kept = plan.keep[0].tolist()
+    for p in range(1, 8):
+        assert torch.equal(out[0, kept.index(p)], x[0, p])  # protected rows come through untouched
+
+
+def test_frozen_bipartite_links_to_the_most_similar_unprotected_destination():
+    """``receive=False`` against brute force: each removed even token's destination is the odd, unprotected token
+    of highest cosine (``noclip``: cosines may be negative, a negative best still links)."""
+    g = torch.Generator().manual_seed(9)
+    h = torch.randn(1, 16, 4, generator=g)
+    protected = torch.zeros(1, 16, dtype=torch.bool)
+    protected[0, [1, 5, 9, 15]] = True
+    plan = make_plan(h, torch.ones(1, 16, dtype=torch.bool), protected, 0.5, "bipartite", "noclip", True,
+                     receive=False)
+    allowed = [j for j in range(1, 16, 2) if not protected[0, j]]
+    cos = torch.nn.functional.cosine_similarity(h[0][:, None], h[0][None], dim=-1)
+    ok = plan.src_mask[0]
+    assert int(ok.sum()) == 8  # keep 0.5 of 16: every even token goes (the protected ones are odd)
+    for s, d in zip(plan.src[0][ok].tolist(), plan.dst[0][ok].tolist()):
+        assert d in allowed and cos[s, d] >= max(cos[s, j] for j in allowed) - 1e-4
+
+
+@pytest.mark.parametrize("selection", ["reference", "importance"])
+def test_receive_false_is_refused_where_the_selection_has_no_rule_for_it(selection):
+    h = torch.randn(1, 8, 4)
+    with pytest.raises(ValueError, match="receive=False"):
+        make_plan(h, torch.ones(1, 8, dtype=torch.bool), torch.zeros(1, 8, dtype=torch.bool), 0.5, selection,
+                  "clip", True, receive=False)

@@ -10,7 +10,7 @@ import torch
 
 from ..bench import format_table, run_bench
 from ..models import check_model_spec
-from ..config import METHODS
+from ..config import DEFAULT_METHOD, METHODS
 from .common import UsageError, add_model_argument
 
 __all__ = ["add_parser"]
@@ -53,7 +53,7 @@ def add_parser(sub) -> None:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--length", type=int, default=2048, help="prompt length (tokens)")
     p.add_argument("--flops", default="0.1,0.2,0.3", help="FLOPs-reduction levels to compare with dense")
-    p.add_argument("--method", choices=sorted(METHODS), default="utrc")
+    p.add_argument("--method", choices=sorted(METHODS), default=DEFAULT_METHOD)
     p.add_argument("--repeats", type=int, default=3, help="timed repeats per setting (interleaved)")
     p.add_argument("--warmup", type=int, default=1, help="untimed warm-up rounds")
     p.add_argument("--decode-tokens", type=int, default=16, help="decode steps timed after each prefill")

@@ -12,7 +12,7 @@ import functools
 import tqdm
 from transformers.utils import logging as hf_logging
 
-from ..config import METHODS, METRICS, STRATEGIES, TokenReductionConfig
+from ..config import DEFAULT_METHOD, METHODS, METRICS, STRATEGIES, TokenReductionConfig
 from ..models import check_model_spec, load_model
 from ..settings import apply_token_reduction
 
@@ -28,7 +28,7 @@ def add_reduction_arguments(parser: argparse.ArgumentParser, required: bool = Fa
     """The flags that build a TokenReductionConfig, shared by every subcommand."""
     g = parser.add_argument_group("token reduction")
     g.add_argument("--method", choices=sorted(METHODS), default=None,
-                   help="reduction method (default: utrc when --flops-reduction or --keep-ratio is given)")
+                   help=f"reduction method (default: {DEFAULT_METHOD} when --flops-reduction or --keep-ratio is given)")
     g.add_argument("--flops-reduction", type=float, default=None, help="target FLOPs reduction, e.g. 0.2")
     g.add_argument("--keep-ratio", type=float, default=None, help="per-anchor keep ratio (instead of a FLOPs target)")
     g.add_argument("--anchors", type=str, default=None, help="comma-separated anchor layers, e.g. 12,17,22")
@@ -55,7 +55,7 @@ def reduction_from_args(args: argparse.Namespace):
             raise UsageError(f"--anchors must be comma-separated integers, got {args.anchors!r}") from None
     try:
         return TokenReductionConfig(
-            method=args.method or "utrc", flops_reduction=args.flops_reduction, keep_ratio=args.keep_ratio,
+            method=args.method or DEFAULT_METHOD, flops_reduction=args.flops_reduction, keep_ratio=args.keep_ratio,
             anchors=anchors, metric=args.metric, q=args.q, hidden_strategy=args.hidden_strategy,
             residual_strategy=args.residual_strategy, protect_recent=args.protect_recent,
         )
