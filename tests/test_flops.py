@@ -354,7 +354,11 @@ def test_every_term_equals_the_dispatched_ops(kind, lengths, head_positions, use
     kind = kind.split("-")[0]
     analytic = model_flops(config, lengths, batch=BATCH, lm_head_positions=head_positions)
     norms = 2 * len(lengths) if kind == "mamba2" else len(lengths)  # per-block RMSNorms (+ Mamba-2's gated norm)
-    group_count = 1 if kind == "mamba" else config.n_groups
+    # the gated norm's groups as this transformers release computes them (5.22 normalises the whole width at once,
+    # later releases each of the n_groups groups, as mamba_ssm does): one eps add per group and token
+    norm = getattr(model.backbone.layers[0].mixer, "norm", None)
+    group_count = 1 if kind == "mamba" else config.expand * config.hidden_size // getattr(
+        norm, "group_size", config.expand * config.hidden_size)
     eps_adds = BATCH * (sum(lengths) * (1 + (group_count if kind == "mamba2" else 0)) + lengths[-1])
     if kind == "mamba":
         convention = sum(2 * BATCH * L * config.intermediate_size * config.state_size for L in lengths)
