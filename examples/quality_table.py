@@ -28,7 +28,7 @@ import hf_tokred
 from hf_tokred import TokenReductionConfig
 from hf_tokred.evaluation import data
 from hf_tokred.evaluation.meter import FlopsMeter
-from hf_tokred.evaluation.quality import fidelity, mqar_accuracy, passage_ids, suffix_scores
+from hf_tokred.evaluation.quality import context_benefit, fidelity, mqar_accuracy, passage_ids, suffix_scores
 from hf_tokred.evaluation.runner import mqar_settings
 
 #: name -> settings (besides the FLOPs level); the paper's method, the authors' code, the baselines, ours
@@ -72,6 +72,11 @@ def _flops_fields(meter: FlopsMeter, reducing: bool) -> dict:
 def lm_rows(name: str, args, done) -> None:
     model, tok = hf_tokred.load_model(f"bundled:{name}", token_reduction=None)
     seqs = passage_ids(tok, data.heldout_passages(), 96)[: args.passages]
+    if not done.context_path(name).is_file():  # does the model use its context? (issue 12: >= 15 % wanted)
+        benefit = context_benefit(model, seqs, suffix=32, batch_size=args.batch)
+        done.context_path(name).write_text(json.dumps({"model": f"bundled:{name}", "passages": len(seqs),
+                                                       **benefit}, indent=1) + "\n")
+        print(f"context benefit of bundled:{name}: {json.dumps(benefit)}", flush=True)
     dense = suffix_scores(model, seqs, suffix=32, batch_size=args.batch)
     ppl = math.exp(sum(dense.nll) / sum(dense.tokens))
     done(name, "dense", 0.0, {"suffix_ppl": [ppl, ppl, ppl], "top1_agreement": [1.0, 1.0, 1.0], "kl": [0, 0, 0],
@@ -116,6 +121,9 @@ class Store:
     def path(self, model, method, level) -> Path:
         return self.out / f"{model}__{method}__{level:g}.json"
 
+    def context_path(self, model) -> Path:
+        return self.out / f"{model}__context.txt"
+
     def exists(self, model, method, level) -> bool:
         return self.path(model, method, level).is_file()
 
@@ -145,6 +153,14 @@ def report(folder: Path) -> str:
             f"{100 * r['flops_exact']:.1f} / {100 * r['flops_proxy']:.1f} | {_cell(r.get('top1_agreement'))} | "
             f"{'-' if kl is None else f'{kl[0]:.4f} ({kl[1]:.4f}–{kl[2]:.4f})'} | "
             f"{_cell(r.get('suffix_ppl'), pct=False)} | {_cell(r.get('mqar_acc'))} |")
+    lines += ["", "Context benefit (suffix perplexity of the last 32 tokens with 8 / 32 / 128 / all tokens of context; "
+              "benefit = 1 - ppl(all) / ppl(32)):", "",
+              "| model | passages | ctx 8 | ctx 32 | ctx 128 | all | benefit |", "|---|---|---|---|---|---|---|"]
+    for p in sorted(folder.glob("*__context.txt")):
+        c = json.loads(p.read_text())
+        lines.append(f"| {c['model']} | {c['passages']} | " + " | ".join(_cell(c[k], pct=False) for k in
+                                                                          ("8", "32", "128", "all"))
+                     + f" | {100 * c['benefit_all_vs_32']:.1f} % |")
     return "\n".join(lines)
 
 

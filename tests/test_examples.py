@@ -88,6 +88,10 @@ def test_quality_table(runs):
 
     rows = [json.loads(line) for line in _output(runs, "quality_table").splitlines() if line.startswith("{")]
     assert [r["method"] for r in rows][0] == "dense" and len(rows) == 12
+    benefit = json.loads(_output(runs, "quality_table").split("context benefit of bundled:mamba: ")[1].splitlines()[0])
+    assert set(benefit) == {"8", "32", "128", "all", "benefit_all_vs_32"}
+    assert benefit["benefit_all_vs_32"] == 1 - benefit["all"][0] / benefit["32"][0]
+    assert all(benefit[k][1] <= benefit[k][0] <= benefit[k][2] for k in ("8", "32", "128", "all"))
     for r in rows[1:]:
         low, est, high = r["top1_agreement"][1], r["top1_agreement"][0], r["top1_agreement"][2]
         assert 0 <= low <= est <= high <= 1 and r["flops_exact"] > 0.2
