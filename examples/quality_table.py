@@ -141,6 +141,30 @@ def _cell(v, pct=True) -> str:
     return f"{100 * est:.1f} ({100 * lo:.1f}–{100 * hi:.1f})" if pct else f"{est:.1f} ({lo:.1f}–{hi:.1f})"
 
 
+def summary(folder: Path, levels=(0.2, 0.3)) -> str:
+    """One line per method: the headline measure of each model at each level (top-1 agreement with dense for the
+    language models, MQAR accuracy relative to dense for the recall models), estimate and 95 % interval."""
+    rows = {(r["model"], r["method"], r["flops_target"]): r for r in
+            (json.loads(p.read_text()) for p in sorted(folder.glob("*.json")))}
+    models = [m for m in (*LM_MODELS, *RECALL_MODELS) if (f"bundled:{m}", "dense", 0.0) in rows]
+    head = [f"{m} {100 * lv:.0f} %" for m in models for lv in levels]
+    lines = ["| method | " + " | ".join(head) + " |", "|---|" + "---|" * len(head)]
+    for method in METHODS:
+        cells = []
+        for m in models:
+            dense = rows[(f"bundled:{m}", "dense", 0.0)]
+            for lv in levels:
+                r = rows.get((f"bundled:{m}", method, lv))
+                if r is None:
+                    cells.append("-")
+                elif "top1_agreement" in r:
+                    cells.append(_cell(r["top1_agreement"]))
+                else:  # relative to the dense model's accuracy
+                    cells.append(_cell([v / dense["mqar_acc"][0] for v in r["mqar_acc"]]))
+        lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def report(folder: Path) -> str:
     rows = [json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))]
     lines = ["| model | method | FLOPs target | FLOPs exact / proxy | suffix top-1 agr. % | suffix KL | suffix PPL | "
@@ -204,7 +228,9 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if args.report:
         folder = Path(args.report)
-        (folder / "report.md").write_text(report(folder) + "\n")
+        (folder / "report.md").write_text("Summary (language models: suffix top-1 agreement with dense, %; recall "
+                                          "models: MQAR accuracy as % of dense):\n\n" + summary(folder)
+                                          + "\n\nEvery row:\n\n" + report(folder) + "\n")
         plot(folder, folder / "report.png")
         print((folder / "report.md").read_text())
         return

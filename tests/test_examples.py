@@ -100,3 +100,31 @@ def test_quality_table(runs):
 def test_train_recall(runs):
     out = _output(runs, "train_recall")
     assert "'step': 3" in out and "eval_acc" in out
+
+
+def test_quality_table_report_from_hand_made_rows(tmp_path):
+    """``--report``: the summary's cells are the rows' estimates and intervals (MQAR relative to the dense
+    accuracy, hand-computed), the full table and the context-benefit table list every file."""
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("quality_table", EXAMPLES / "quality_table.py")
+    qt = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(qt)
+    base = {"flops_exact": 0.25, "flops_proxy": 0.2}
+    rows = [("mamba", "dense", 0.0, {"top1_agreement": [1, 1, 1], "suffix_ppl": [10, 10, 10], "kl": [0, 0, 0]}),
+            ("mamba", "evit", 0.2, {"top1_agreement": [0.9, 0.85, 0.95], "suffix_ppl": [11, 10, 12],
+                                    "kl": [0.1, 0.05, 0.2]}),
+            ("recall-mamba2", "dense", 0.0, {"mqar_acc": [0.8, 0.75, 0.85]}),
+            ("recall-mamba2", "evit", 0.2, {"mqar_acc": [0.4, 0.36, 0.44]})]
+    for model, method, level, row in rows:
+        (tmp_path / f"{model}__{method}__{level:g}.json").write_text(json.dumps(
+            {"model": f"bundled:{model}", "method": method, "flops_target": level, **base, **row}))
+    (tmp_path / "mamba__context.txt").write_text(json.dumps(
+        {"model": "bundled:mamba", "passages": 3, "8": [30, 29, 31], "32": [20, 19, 21], "128": [16, 15, 17],
+         "all": [15, 14, 16], "benefit_all_vs_32": 0.25}))
+    summary = qt.summary(tmp_path)
+    evit = next(line for line in summary.splitlines() if line.startswith("| evit |"))
+    assert evit == "| evit | 90.0 (85.0–95.0) | - | 50.0 (45.0–55.0) | - |"
+    full = qt.report(tmp_path)
+    assert full.count("| bundled:") == 5 and "| bundled:mamba | 3 | 30.0 (29.0–31.0) |" in full and "25.0 %" in full
