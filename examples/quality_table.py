@@ -195,11 +195,13 @@ def plot(folder: Path, dest: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = [json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))]
-    panels = [("top1_agreement", LM_MODELS, "suffix top-1 agreement with dense"),
-              ("mqar_acc", RECALL_MODELS, "MQAR recall accuracy")]
-    fig, axes = plt.subplots(1, 4, figsize=(18, 4.2))
-    for ax, (key, name) in zip(axes, [(k, m) for k, ms, _ in panels for m in ms]):
-        for method in ["utrc", "utrc_reference", "evit", "tome", "utrc_frozen"]:
+    have = {r["model"] for r in rows}
+    panels = [(key, m, title) for key, models, title in
+              [("top1_agreement", LM_MODELS, "suffix top-1 agreement with dense"),
+               ("mqar_acc", RECALL_MODELS, "MQAR recall accuracy")] for m in models if f"bundled:{m}" in have]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 4.2), squeeze=False)
+    for ax, (key, name, title) in zip(axes[0], panels):
+        for method in ["utrc", "utrc_reference", "evit", "evit_recent", "tome", "utrc_frozen"]:
             pts = sorted((r["flops_exact"], r[key]) for r in rows if r["model"] == f"bundled:{name}"
                          and r["method"] in (method, "dense") and r.get(key))
             if pts:
@@ -208,9 +210,9 @@ def plot(folder: Path, dest: Path) -> None:
                             marker="o", capsize=3, label=method)
         ax.set_title(f"bundled:{name}")
         ax.set_xlabel("FLOPs reduction measured (%)")
-        ax.set_ylabel("%")
+        ax.set_ylabel(f"{title} (%)")
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
+    axes[0][0].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(dest, dpi=110)
 
