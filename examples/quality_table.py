@@ -27,6 +27,7 @@ import torch
 import hf_tokred
 from hf_tokred import TokenReductionConfig
 from hf_tokred.evaluation import data
+from hf_tokred.models import BUNDLED
 from hf_tokred.evaluation.meter import FlopsMeter
 from hf_tokred.evaluation.quality import context_benefit, fidelity, mqar_accuracy, passage_ids, suffix_scores
 from hf_tokred.evaluation.runner import mqar_settings
@@ -220,7 +221,7 @@ def plot(folder: Path, dest: Path) -> None:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="runs/quality")
-    ap.add_argument("--models", default=",".join(LM_MODELS + RECALL_MODELS))
+    ap.add_argument("--models", default=",".join(m for m in LM_MODELS + RECALL_MODELS if m in BUNDLED))
     ap.add_argument("--levels", default="0.1,0.2,0.3")
     ap.add_argument("--passages", type=int, default=200, help="held-out passages (language models)")
     ap.add_argument("--sequences", type=int, default=512, help="MQAR sequences (recall models)")

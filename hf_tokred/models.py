@@ -3,8 +3,7 @@
 Model specs understood everywhere a command takes ``--model``:
 
 * ``bundled:mamba`` / ``bundled:mamba2`` (or just ``mamba`` / ``mamba2``): the small trained language models, and
-  ``bundled:recall-mamba`` / ``bundled:recall-mamba2``: the multi-query associative recall models, shipped
-  with the package (offline);
+  ``bundled:recall-mamba2``: the multi-query associative recall model, shipped with the package (offline);
 * ``random:<family>-<size>``: random weights in the shape of a real checkpoint, e.g. ``random:mamba-130m``,
   ``random:mamba2-2.7b``, ``random:falcon_mamba-7b``, ``random:mamba-tiny`` (for speed/memory work and tests; the
   text they produce is noise);
@@ -34,8 +33,9 @@ __all__ = ["BUNDLED", "KEEP", "bundled_path", "check_model_spec", "load_bundled"
 #: ``load_model(..., token_reduction=KEEP)``: keep the settings saved in the checkpoint (if any).
 KEEP: Any = UNSET
 
-#: bundled models: the two small language models and the two multi-query associative recall models
-BUNDLED = ("mamba", "mamba2", "recall-mamba", "recall-mamba2")
+#: bundled models: the two small language models and the multi-query associative recall model (a Mamba-1 one,
+#: ``recall-mamba``, joins it once its training passes 90 % recall; README "Quality")
+BUNDLED = ("mamba", "mamba2", "recall-mamba2")
 
 
 def bundled_path(family: str) -> Path:

@@ -11,6 +11,8 @@ import hf_tokred
 from hf_tokred import TokenReductionConfig
 from hf_tokred.cli import main
 from hf_tokred.evaluation.mqar import MQARSettings, make_batch, recall_hits, tokenizer
+from hf_tokred.evaluation.meter import FlopsMeter
+from hf_tokred.flops import model_flops
 from hf_tokred.evaluation.quality import bootstrap_ci, fidelity, mqar_accuracy, suffix_scores
 
 from conftest import tiny_model
@@ -112,8 +114,15 @@ def test_mqar_accuracy_counts_hits_and_keeps_queries(tmp_path):
         want = recall_hits(model(b.input_ids).logits, b).double().mean().item()
     assert math.isclose(dense["accuracy"][0], want) and dense["computed_share"] == 1.0
     hf_tokred.apply_token_reduction(model, TokenReductionConfig(method="evit", flops_reduction=0.3))
-    reduced = mqar_accuracy(model, s, n=16, batch_size=8)
+    meter = FlopsMeter(model.config)
+    with hf_tokred.record_reduction() as records:
+        reduced = mqar_accuracy(model, s, n=16, batch_size=8, meter=meter)
     assert reduced["computed_share"] < 1.0
+    # the meter's FLOPs are those of the blocks' recorded lengths (analytic count, one row at a time)
+    rows = [ls for r in records for ls in r.layer_lengths]
+    got = meter.summary()["per_task"]["mqar"]
+    assert got["rows"] == 16 and got["reduced_flops"] == sum(model_flops(model.config, ls).total for ls in rows)
+    assert got["dense_flops"] == 16 * model_flops(model.config, [s.seq_len] * 8).total > got["reduced_flops"]
 
 
 def test_eval_reports_mqar(tmp_path, capsys):
@@ -123,7 +132,7 @@ def test_eval_reports_mqar(tmp_path, capsys):
     assert main(["eval", "--model", str(tmp_path / "recall"), "--tasks", "mqar", "--limit", "8", "--flops-reduction",
                  "0.2", "--method", "evit", "--metric", "delta", "--output", str(tmp_path / "out"), "--json"]) == 0
     row = __import__("json").loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert 0.0 <= row["mqar_acc"] <= 1.0
+    assert 0.0 <= row["mqar_acc"] <= 1.0 and 0.0 < row["flops_exact"] < 1.0  # the recall forwards are metered
     # a language model is refused for the recall task, with the fix
     lm = tiny_model("mamba")
     lm.save_pretrained(tmp_path / "lm")

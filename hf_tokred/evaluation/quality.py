@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ..settings import get_token_reduction
+from .meter import FlopsMeter, row_layer_lengths
 from .mqar import MQARSettings, make_batch, recall_hits
 
 __all__ = ["SuffixScores", "bootstrap_ci", "context_benefit", "fidelity", "mqar_accuracy", "passage_ids",
@@ -134,9 +135,11 @@ def context_benefit(model, sequences: Sequence[Sequence[int]], suffix: int = 32,
 
 
 @torch.no_grad()
-def mqar_accuracy(model, settings: MQARSettings, n: int = 256, seed: int = 1_000_000, batch_size: int = 64) -> dict:
+def mqar_accuracy(model, settings: MQARSettings, n: int = 256, seed: int = 1_000_000, batch_size: int = 64,
+                  meter: FlopsMeter | None = None) -> dict:
     """Recall accuracy at the query positions (protected, so they are always computed), with its 95 % bootstrap
-    interval over sequences, and the share of positions the model computed."""
+    interval over sequences, and the share of positions the model computed; ``meter`` (a
+    :class:`~.meter.FlopsMeter`) also counts the FLOPs of the forwards, as group ``mqar``."""
     device = next(model.parameters()).device
     reducing = get_token_reduction(model) is not None
     per_row, computed, real = [], 0, 0
@@ -147,5 +150,7 @@ def mqar_accuracy(model, settings: MQARSettings, n: int = 256, seed: int = 1_000
         per_row += recall_hits(out.logits.float().cpu(), b).double().mean(1).tolist()
         mask = getattr(out, "computed_mask", None)
         computed += int(mask.sum()) if mask is not None else b.input_ids.numel()
+        if meter is not None:
+            meter.add("mqar", row_layer_lengths(out, [b.input_ids.shape[1]] * b.input_ids.shape[0], meter.layers))
         real += b.input_ids.numel()
     return {"accuracy": bootstrap_ci(per_row), "sequences": len(per_row), "computed_share": computed / real}

@@ -118,9 +118,9 @@ def mqar_settings(model) -> MQARSettings:
     return settings
 
 
-def _mqar_entry(model, limit: int | None) -> dict[str, Any]:
+def _mqar_entry(model, limit: int | None, meter) -> dict[str, Any]:
     settings = mqar_settings(model)
-    result = mqar_accuracy(model, settings, n=limit or 256)
+    result = mqar_accuracy(model, settings, n=limit or 256, meter=meter)
     acc, low, high = result["accuracy"]
     return {"status": "ok", "source": f"hf_tokred.evaluation.mqar {settings.to_dict()} (seed 1000000)",
             "metrics": {"acc": acc, "acc_ci_low": low, "acc_ci_high": high,
@@ -234,7 +234,7 @@ def evaluate_model(model, tokenizer, tasks: Sequence[str] = DEFAULT_TASKS, *, li
     lm = ReducingHFLM(model, tokenizer, batch_size=batch_size, max_length=max_length, accelerator=accelerator)
     raw = _run_lm_eval(lm, local, online, root, output, limit, bootstrap_iters)
     if "mqar" in tasks:
-        entries["mqar"] = _mqar_entry(model, limit)
+        entries["mqar"] = _mqar_entry(model, limit, lm.flops)
     t_tasks = time.perf_counter() - t0
     fid = None
     if fidelity:
