@@ -109,12 +109,12 @@ def _logits(head, r, every, N: int, logits_to_keep, compact: bool) -> torch.Tens
     return part if compact else scatter_to_positions(part, r.positions[:, M - cols :], N - start, offset=start)
 
 
-def _check_loss_terms(model, p: dict, family) -> None:
+def _check_loss_terms(model, p: dict, labels, family) -> None:
     """Loss terms a reducing forward does not compute are refused rather than silently left out."""
     if p.get("output_router_logits") or getattr(model.config, "output_router_logits", False):
         raise ValueError(f"output_router_logits (the MoE load-balancing loss) is not supported with token reduction "
                          f"on {family.name}; pass output_router_logits=False, or turn reduction off")
-    if p.get("labels") is not None and getattr(model.config, "z_loss_coefficient", 0):
+    if labels is not None and getattr(model.config, "z_loss_coefficient", 0):
         raise ValueError(f"the z-loss (config.z_loss_coefficient={model.config.z_loss_coefficient}) is not supported "
                          "with token reduction; set config.z_loss_coefficient = 0, or turn reduction off")
 
@@ -138,7 +138,7 @@ def lm_forward(original):
         return_dict = p.pop("return_dict", None)
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         family = family_of(self)
-        _check_loss_terms(self, p, family)
+        _check_loss_terms(self, p, labels, family)
         N = _length(p)
         if labels is not None:
             check_shapes((p["input_ids"] if p["input_ids"] is not None else p["inputs_embeds"]).shape[0], N, labels,

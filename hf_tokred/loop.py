@@ -79,11 +79,13 @@ def _protected_for(mask: torch.Tensor, B: int, prefix: int, N: int) -> torch.Ten
     return F.pad(mask, (0, N - prefix), value=False)
 
 
-def _is_fresh(cache) -> bool:
+def _is_fresh(cache, first_ssm: int | None = None) -> bool:
+    """Whether ``cache`` holds nothing yet.  Hybrids ask their first SSM layer (transformers 5.22's cache counts a
+    Nemotron-H feed-forward layer as a stateful layer that never gets a state)."""
     if cache is None:
         return True
     try:
-        return not cache.has_previous_state()
+        return not cache.has_previous_state(first_ssm)
     except ValueError:  # a cache without linear-attention layers holds no state yet
         return True
 
@@ -215,7 +217,8 @@ def reduced_backbone(backbone, cfg: TokenReductionConfig, schedule: ResolvedSche
     device = inputs_embeds.device
     check_shapes(B, N, None, attention_mask)
     layer_mask = recurrent_mask(config, inputs_embeds, attention_mask, cache)
-    fresh = _is_fresh(cache)
+    kinds = family.kinds(config)
+    fresh = _is_fresh(cache, kinds.index("ssm") if family.hybrid else None)
     reducing = N > 1 and fresh
     prompt = _GENERATION.get()
     prefix = N if prompt is None else min(prompt.length, N)
@@ -244,7 +247,7 @@ def reduced_backbone(backbone, cfg: TokenReductionConfig, schedule: ResolvedSche
     hidden = inputs_embeds
     all_hidden = () if output_hidden_states else None
     plans, lengths = [], []
-    for i, (block, kind) in enumerate(zip(backbone.layers, family.kinds(config))):
+    for i, (block, kind) in enumerate(zip(backbone.layers, kinds)):
         if record is not None:
             lengths.append(real.sum(1))
         if i in anchors:
