@@ -71,9 +71,10 @@ def cache_kwargs(cache: Any) -> dict[str, Any]:
     return {CACHE_ARG: cache}
 
 
-def cache_of(output: Any) -> Any:
-    """The cache of a model output of the installed release (stock or hf_tokred's)."""
-    return getattr(output, CACHE_ARG, None)
+def cache_of(output: Any, hybrid: bool = False) -> Any:
+    """The cache of a model output of the installed release (stock or hf_tokred's; a hybrid's is
+    ``past_key_values`` before 5.24)."""
+    return getattr(output, "past_key_values" if hybrid and CACHE_ARG != "cache" else CACHE_ARG, None)
 
 
 def with_legacy_cache_name(output: Any, hybrid: bool = False) -> Any:

@@ -324,12 +324,14 @@ FAMILIES: dict[str, Family] = {
         random_kwargs=lambda d, tiny: dict(state_size=16, **({} if tiny else {"vocab_size": 65024})),
         fast_functions=_MAMBA1_FAST,
     ),
-    # hybrids: Mamba-2 layers among attention layers (and feed-forward / MoE halves or layers)
+    # hybrids: Mamba-2 layers among attention layers (and feed-forward / MoE halves or layers).  Random models use
+    # the pattern M M A M (attention every fourth layer from the third); "1b" is a ~1.2 B-parameter shape with it,
+    # not a specific checkpoint
     "bamba": Family(
         model_type="bamba", name="Bamba", lm_class="BambaForCausalLM", backbone_class="BambaModel",
         config_class="BambaConfig", modeling_module="transformers.models.bamba.modeling_bamba",
         mixer_takes_kwargs=True, layer_flops=bamba_layer_flops, delta_source="in_proj", delta=mamba2_delta,
-        sizes={"tiny": (64, 8)}, random_kwargs=_bamba_random,
+        sizes={"tiny": (64, 8), "1b": (2048, 24)}, random_kwargs=_bamba_random,
         backbone_attr="model", embeddings_attr="embed_tokens", final_norm_attr="final_layernorm",
         norm_attr="input_layernorm", mixer_attr="mamba", layer_kinds=hybrid_layer_kinds,
         feed_forward=bamba_feed_forward,

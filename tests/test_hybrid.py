@@ -17,6 +17,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from transformers import JambaConfig
 
 from hf_tokred import TokenReductionConfig
+from hf_tokred.bench import format_table, run_bench
 from hf_tokred.cli import main
 from hf_tokred.families import FAMILIES
 from hf_tokred.flops import flops_reduction, layer_flops, model_flops
@@ -287,3 +288,27 @@ def test_schedule_command_prints_layer_types_and_anchor_types(name, capsys):
     assert row["layer_types"] == kinds and "attention" in kinds
     assert row["anchor_types"] == ["ssm"] * len(row["anchors"]) and row["anchors"]
     assert row["flops_reduction_exact_scoring"] == pytest.approx(0.2, abs=0.01)  # the solver weighs the layers
+
+
+def test_bench_reports_the_kv_cache_a_reduced_prefill_keeps():
+    result = run_bench("random:granitemoehybrid-tiny", length=64, flops=(0.3,), repeats=1, warmup=0,
+                       decode_tokens=2, progress=False)
+    dense, reduced = result["rows"]
+    assert dense["kv_cache_mib"] > reduced["kv_cache_mib"] > 0 and reduced["kv_cache_saving"] > 0.1
+    assert reduced["flops_reduction_exact"] > 0.1 and "KV cache" in format_table(result)
+
+
+@pytest.mark.parametrize("name", HYBRIDS)
+def test_from_pretrained_with_token_reduction(name, tmp_path):
+    hybrid_model(name).save_pretrained(tmp_path)
+    cfg = TokenReductionConfig(keep_ratio=0.7, anchors=ssm_layers(hybrid_model(name))[:2])
+    for loader in (getattr(transformers, FAMILIES[name].lm_class), transformers.AutoModelForCausalLM):
+        model = loader.from_pretrained(tmp_path, token_reduction=cfg).eval()
+        assert type(model).__name__ == FAMILIES[name].lm_class
+        with torch.no_grad():
+            assert len(model(prompt(24)).plans) == 2
+    model.save_pretrained(tmp_path / "reduced")
+    assert transformers.AutoConfig.from_pretrained(tmp_path / "reduced").token_reduction["anchors"] == list(cfg.anchors)
+    attention = FAMILIES[name].kinds(model.config).index("attention")
+    with pytest.raises(ValueError, match="not SSM layers"):
+        loader.from_pretrained(tmp_path, token_reduction=TokenReductionConfig(keep_ratio=0.7, anchors=[attention]))
