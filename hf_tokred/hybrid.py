@@ -72,7 +72,9 @@ class AttentionLayers:
     """State the attention layers of one forward share: the original positions of the current columns (shrinking at
     every anchor), their rotary embeddings (computed once per length), and the cache's real-column record."""
 
-    def __init__(self, backbone, cache, positions: torch.Tensor, use_cache: bool) -> None:
+    def __init__(self, backbone, cache, positions: torch.Tensor, use_cache: bool, fresh: bool) -> None:
+        if fresh and cache is not None:  # a cache object used again from the start: forget its old record
+            cache.__dict__.pop(_KV_REAL, None)
         self.impl = backbone.config._attn_implementation or "eager"
         self.rotary = getattr(backbone, "rotary_emb", None)
         self.cache, self.use_cache = cache, use_cache

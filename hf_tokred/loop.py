@@ -236,7 +236,7 @@ def reduced_backbone(backbone, cfg: TokenReductionConfig, schedule: ResolvedSche
         check_attention_implementation(config)
         original = (default_positions(cache, B, N, fresh, device) if position_ids is None
                     else position_ids.to(device).expand(B, N))
-        attention, kwargs = AttentionLayers(backbone, cache, original, use_cache), {}
+        attention, kwargs = AttentionLayers(backbone, cache, original, use_cache, fresh), {}
     block_cache = layer_cache_kwargs(cache) if family.hybrid else cache_kwargs(cache)
     mixer_kwargs = kwargs if family.mixer_takes_kwargs else {}
     anchors = set(schedule.anchors) if reducing and prefix > 1 else set()
