@@ -86,12 +86,21 @@ TARGETS = {
     "flops": Target("hf_tokred/flops.py", (
         "_int", "_lengths", "_lm_head_positions", "layer_flops", "model_flops", "flops_reduction",
         "measured_proxy_reduction"), (("tests/test_flops.py",),)),
+    "blocks": Target("hf_tokred/blocks.py", (  # the building blocks' FLOPs formulas
+        "FlopsBreakdown.total", "FlopsBreakdown.matmul", "FlopsBreakdown.__add__", "mamba2_mixer_flops",
+        "attention_flops", "mlp_flops", "moe_flops"), (("tests/test_flops.py", "tests/test_hybrid.py"),)),
     "families": Target("hf_tokred/families.py", (  # the per-layer FLOPs formulas
-        "FlopsBreakdown.total", "FlopsBreakdown.matmul", "FlopsBreakdown.__add__", "mamba1_layer_flops",
-        "mamba2_layer_flops"), (("tests/test_flops.py",),)),
+        "mamba1_layer_flops", "mamba2_layer_flops", "_pre_norm_residual", "hybrid_layer_kinds", "bamba_layer_flops",
+        "granite_hybrid_layer_flops", "nemotron_h_layer_flops", "bamba_feed_forward", "granite_hybrid_feed_forward"),
+        (("tests/test_flops.py", "tests/test_hybrid.py"),)),
+    "schedule": Target("hf_tokred/schedule.py", ("schedule_reduction", "ssm_anchors", "solve_keep_ratio"), (
+        ("tests/test_config.py", "tests/test_hybrid.py"),)),
+    "hybrid": Target("hf_tokred/hybrid.py", (
+        "causal_mask", "default_positions", "note_seen", "AttentionLayers.shrink", "AttentionLayers._kv_real",
+        "AttentionLayers.__call__"), (("tests/test_hybrid.py",),)),
     "config": Target("hf_tokred/config.py", (
         "default_anchors", "proxy_flops_reduction", "schedule_fractions", "schedule_proxy_reduction", "merge_count",
-        "removal_count", "solve_keep_ratio", "ResolvedSchedule.layer_lengths", "TokenReductionConfig.__post_init__",
+        "removal_count", "ResolvedSchedule.layer_lengths", "TokenReductionConfig.__post_init__",
         "TokenReductionConfig._check_anchors", "TokenReductionConfig.min_keep_ratio", "TokenReductionConfig.hidden",
         "TokenReductionConfig.residual", "TokenReductionConfig.resolve", "_check_depth", "_real"), (
         ("tests/test_reduce.py", "tests/test_config.py"), ("tests/test_properties.py", "tests/test_model.py"),
@@ -153,8 +162,8 @@ PLANTED = [  # (id, module, old, new, what it models)
      "the anchor's CPU branch swaps the two branches' strategies"),
     ("plan-on-residual", "loop", "plan = make_plan(h[:, :prefix].detach()", "plan = make_plan(residual[:, :prefix].detach()",
      "the plan is made from the residual instead of the mixer output"),
-    ("anchor-mixer-detached", "loop", "h = block.mixer(h, **cache_kwargs(cache), attention_mask=layer_mask, **mixer_kwargs)",
-     "h = block.mixer(h, **cache_kwargs(cache), attention_mask=layer_mask, **mixer_kwargs).detach()",
+    ("anchor-mixer-detached", "loop", "h = mixer(h, **cache_kwargs(cache), attention_mask=layer_mask, **mixer_kwargs)",
+     "h = mixer(h, **cache_kwargs(cache), attention_mask=layer_mask, **mixer_kwargs).detach()",
      "the anchor block's mixer output carries no gradient"),
     ("loss-label-unshifted", "forwards", "shifted = F.pad(labels[:, 1:], (0, 1), value=-100)",
      "shifted = labels", "the reduced loss scores each position's own token instead of the next"),
@@ -164,13 +173,13 @@ PLANTED = [  # (id, module, old, new, what it models)
      "scan_ew = 7 * tokens * D * N + 2 * tokens * D", "Mamba-1: the gate multiply is not counted"),
     ("flops-dskip-dropped", "families", "scan_ew = 7 * tokens * D * N + 2 * tokens * D + tokens * D",
      "scan_ew = 7 * tokens * D * N + tokens * D", "Mamba-1: the D skip is not counted"),
-    ("flops-xdt-dropped", "families", "+ L * D  # x * dt", "+ 0  # x * dt", "Mamba-2: x * dt is not counted"),
-    ("flops-segsum-dropped", "families", "+ H * (nc + 1) ** 2  # inter-chunk", "+ 0  # inter-chunk",
+    ("flops-xdt-dropped", "blocks", "+ L * D  # x * dt", "+ 0  # x * dt", "Mamba-2: x * dt is not counted"),
+    ("flops-segsum-dropped", "blocks", "+ H * (nc + 1) ** 2  # inter-chunk", "+ 0  # inter-chunk",
      "Mamba-2: the inter-chunk segment sum is not counted"),
-    ("flops-gated-norm", "families", "norm = 4 * tokens * d + 5 * tokens * D", "norm = 4 * tokens * d + 4 * tokens * D",
+    ("flops-gated-norm", "blocks", "norm = 5 * tokens * D  # gated RMSNorm", "norm = 4 * tokens * D  # gated RMSNorm",
      "Mamba-2: the gated norm's gate multiply is not counted"),
-    ("flops-residual-dropped", "families", "proj_ew = tokens * d  # residual add", "proj_ew = 0  # residual add",
-     "Mamba-2: the residual add is not counted"),
+    ("flops-residual-dropped", "families", "add = tokens * d * (2 if scaled else 1)", "add = tokens * d * (1 if scaled else 0)",
+     "the residual add is not counted"),
     # the C++ kernels (each one rebuilds the extension)
     ("cpp-D-skip-dropped", "csrc", "const float o = acc[j] + dsk[j] * x[j];", "const float o = acc[j];",
      "compiled scan: D skip dropped"),

@@ -22,13 +22,14 @@ from tqdm.auto import tqdm
 
 from . import fastpath
 from .config import DEFAULT_METHOD
-from .compat import cache_kwargs, cache_of
+from .compat import cache_kwargs, cache_of, layer_cache_kwargs
+from .families import family_of
 from .flops import flops_reduction, measured_proxy_reduction
 from .models import load_model
 from .outputs import record_reduction
 from .settings import apply_token_reduction
 
-__all__ = ["BenchSetting", "format_table", "run_bench"]
+__all__ = ["BenchSetting", "format_table", "kv_cache_bytes", "run_bench"]
 
 
 @dataclass
@@ -62,16 +63,28 @@ def _prefill_and_decode(model, ids, setting: BenchSetting, decode_tokens: int, d
             _sync(device)
             setting.prefill_s.append(time.perf_counter() - t0)
         setting.overhead_s.append(sum(r.plan_seconds + r.apply_seconds for r in records))
-        cache, nxt = cache_of(out), out.logits[:, -1:].argmax(-1)
+        hybrid = family_of(model).hybrid
+        cache, nxt = cache_of(out, hybrid), out.logits[:, -1:].argmax(-1)
+        setting.extra["kv_cache_mib"] = kv_cache_bytes(cache) / 2**20
         if decode_tokens:
             t0 = time.perf_counter()
-            for _ in range(decode_tokens):
-                step = model(nxt, **cache_kwargs(cache), use_cache=True)
-                cache, nxt = cache_of(step), step.logits[:, -1:].argmax(-1)
+            for t in range(decode_tokens):
+                # hybrids: the decode step's original position (the stock forwards would start from 0)
+                extra = {"position_ids": torch.full_like(nxt, ids.shape[1] + t)} if hybrid else {}
+                step = model(nxt, **(layer_cache_kwargs if hybrid else cache_kwargs)(cache), use_cache=True, **extra)
+                cache, nxt = cache_of(step, hybrid), step.logits[:, -1:].argmax(-1)
             _sync(device)
             setting.decode_s.append(time.perf_counter() - t0)
     if records:
         setting.extra["layer_lengths"] = [max(col) for col in zip(*records[0].layer_lengths)]
+
+
+def kv_cache_bytes(cache) -> int:
+    """Bytes of the keys and values an attention cache holds (0 for a pure SSM's cache)."""
+    layers = getattr(cache, "layers", ())
+    return sum(t.numel() * t.element_size() for layer in layers for t in (getattr(layer, "keys", None),
+                                                                         getattr(layer, "values", None))
+               if isinstance(t, torch.Tensor))
 
 
 def _prefill_kwargs(logits: str) -> dict:
@@ -147,6 +160,7 @@ def _row(s: BenchSetting, dense: float, config, batch: int, length: int, decode_
                                                  lm_head_positions=1, dense_lm_head_positions=1),
         "flops_reduction_proxy": measured_proxy_reduction(lengths, length),
         "peak_mib": s.extra.get("peak_mib"),
+        "kv_cache_mib": s.extra.get("kv_cache_mib") or None,  # hybrids: reduced keys/values after the prefill
     }
     if s.token_reduction:
         row["ideal_speedup"] = 1 / (1 - s.token_reduction["flops_reduction"])
@@ -202,6 +216,9 @@ def run_bench(
     if memory and rows[0]["peak_mib"]:
         for row in rows:
             row["peak_memory_saving"] = 1 - row["peak_mib"] / rows[0]["peak_mib"]
+    if rows[0]["kv_cache_mib"]:
+        for row in rows:
+            row["kv_cache_saving"] = 1 - row["kv_cache_mib"] / rows[0]["kv_cache_mib"]
     return {
         "model": model_spec,
         "batch": batch,
@@ -225,7 +242,7 @@ def format_table(result: dict[str, Any]) -> str:
     head = (f"{result['model']}  batch {result['batch']} x {result['length']} tokens  {result['threads']} threads  "
             f"{result['device']} {result['dtype']}  (median of {result['repeats']})")
     cols = ["setting", "prefill s (min-max)", "tok/s", "speed-up", "ideal", "decode tok/s", "overhead (of dense)",
-            "FLOPs red. exact/proxy", "peak MiB"]
+            "FLOPs red. exact/proxy", "peak MiB", "KV cache MiB (saved)"]
     lines = [head, "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in result["rows"]:
         p = r["prefill_s"]
@@ -239,5 +256,6 @@ def format_table(result: dict[str, Any]) -> str:
             f"{r['reduction_overhead_share']:.1%}",
             f"{r['flops_reduction_exact']:.1%} / {r['flops_reduction_proxy']:.1%}",
             f"{r['peak_mib']:.0f}" if r.get("peak_mib") is not None else "-",
+            f"{r['kv_cache_mib']:.2f} (-{r['kv_cache_saving']:.0%})" if r.get("kv_cache_mib") else "-",
         ]) + " |")
     return "\n".join(lines)

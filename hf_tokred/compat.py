@@ -9,6 +9,8 @@ the rest of the package calls the adapter, never ``transformers.__version__``):
 
 * 5.24 renamed the Mamba forwards' cache argument and output field ``cache_params`` -> ``cache`` (the old name is a
   deprecated alias there): :data:`CACHE_ARG`, :func:`cache_kwargs`, :func:`cache_of`, :func:`with_legacy_cache_name`;
+* 5.24 renamed the hybrid models' decoder-layer cache argument ``past_key_values`` -> ``cache``:
+  :func:`layer_cache_kwargs` (and :func:`with_legacy_cache_name` names their outputs' cache ``past_key_values``);
 * 5.24 renamed the recurrent mask helper's cache parameter ``past_key_values`` -> ``cache``:
   :func:`recurrent_mask` passes it by position;
 * 5.23 made Mamba-2's gated RMSNorm normalise each of the ``n_groups`` groups of channels on its own (as mamba_ssm
@@ -33,7 +35,7 @@ from packaging.version import Version
 from transformers.masking_utils import create_recurrent_attention_mask
 
 __all__ = ["CACHE_ARG", "SUPPORTED_TRANSFORMERS", "UnsupportedTransformersVersion", "cache_argument", "cache_kwargs",
-           "cache_of", "check_transformers_version", "mamba2_norm_is_grouped", "recurrent_mask",
+           "cache_of", "check_transformers_version", "layer_cache_kwargs", "mamba2_norm_is_grouped", "recurrent_mask",
            "with_legacy_cache_name"]
 
 SUPPORTED_TRANSFORMERS = (Version("5.22.0"), Version("5.25.0"))  # [low, high)
@@ -69,18 +71,25 @@ def cache_kwargs(cache: Any) -> dict[str, Any]:
     return {CACHE_ARG: cache}
 
 
-def cache_of(output: Any) -> Any:
-    """The cache of a model output of the installed release (stock or hf_tokred's)."""
-    return getattr(output, CACHE_ARG, None)
+def cache_of(output: Any, hybrid: bool = False) -> Any:
+    """The cache of a model output of the installed release (stock or hf_tokred's; a hybrid's is
+    ``past_key_values`` before 5.24)."""
+    return getattr(output, "past_key_values" if hybrid and CACHE_ARG != "cache" else CACHE_ARG, None)
 
 
-def with_legacy_cache_name(output: Any) -> Any:
+def with_legacy_cache_name(output: Any, hybrid: bool = False) -> Any:
     """hf_tokred's outputs carry the cache as ``cache``; on releases before 5.24, where ``generate()`` (and stock
-    code) read it from ``cache_params``, the output also gets that key.  (5.24's ``ModelOutput`` maps ``cache_params``
-    to ``cache`` itself.)"""
+    code) read it from ``cache_params`` (``past_key_values`` for hybrid SSM-attention models), the output also
+    gets that key.  (5.24's ``ModelOutput`` maps the old names to ``cache`` itself.)"""
     if CACHE_ARG != "cache" and output.get("cache") is not None:
-        output["cache_params"] = output["cache"]
+        output["past_key_values" if hybrid else "cache_params"] = output["cache"]
     return output
+
+
+def layer_cache_kwargs(cache: Any) -> dict[str, Any]:
+    """The cache keyword of a hybrid model's decoder layers: ``cache`` from 5.24, ``past_key_values`` before (their
+    SSM mixers take :data:`CACHE_ARG`, as Mamba's do)."""
+    return {"cache" if CACHE_ARG == "cache" else "past_key_values": cache}
 
 
 # ----------------------------------------------------------------------------- the recurrent mask helper

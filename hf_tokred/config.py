@@ -12,6 +12,7 @@ import numbers
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Mapping, Sequence
 
+from .schedule import schedule_reduction, solve_keep_ratio, ssm_anchors
 from .version import __version__
 
 try:  # numpy's bool is not a Python bool but must not pass as a number
@@ -33,6 +34,8 @@ __all__ = [
     "removal_count",
     "schedule_fractions",
     "schedule_proxy_reduction",
+    "schedule_reduction",
+    "ssm_anchors",
     "solve_keep_ratio",
 ]
 
@@ -163,27 +166,6 @@ def removal_count(n: int, keep_ratio: float, pairs: bool) -> int:
     if pairs:
         r = min(r, n // 2)
     return max(r, 0)
-
-
-def solve_keep_ratio(num_hidden_layers: int, anchors: Sequence[int], flops_reduction: float, min_keep: float) -> float:
-    """Per-anchor keep ratio in ``[min_keep, 1]`` whose proxy FLOPs reduction equals ``flops_reduction``."""
-    if flops_reduction == 0.0:
-        return 1.0
-    reachable = schedule_proxy_reduction(num_hidden_layers, anchors, min_keep)
-    if flops_reduction > reachable + 1e-12:
-        raise ValueError(
-            f"flops_reduction={flops_reduction} is not reachable for a {num_hidden_layers}-layer model with anchors "
-            f"{list(anchors)}: at most {reachable:.4f} when each anchor keeps {min_keep:g} of its tokens. "
-            "Use a smaller flops_reduction, or earlier/more anchors."
-        )
-    lo, hi = min_keep, 1.0  # proxy reduction decreases monotonically as the keep ratio grows
-    for _ in range(100):
-        mid = 0.5 * (lo + hi)
-        if schedule_proxy_reduction(num_hidden_layers, anchors, mid) > flops_reduction:
-            lo = mid
-        else:
-            hi = mid
-    return 0.5 * (lo + hi)
 
 
 @dataclass(frozen=True)
@@ -357,10 +339,16 @@ class TokenReductionConfig:
         """Strategy applied to the residual branch."""
         return self.residual_strategy or self.spec.residual
 
-    def resolve(self, num_hidden_layers: int) -> ResolvedSchedule:
-        """The anchors and keep ratio that will be applied to a model with ``num_hidden_layers`` blocks."""
+    def resolve(self, num_hidden_layers: int, ssm_layers: Sequence[int] | None = None,
+                layer_costs: Sequence[tuple[float, float]] | None = None) -> ResolvedSchedule:
+        """The anchors and keep ratio that will be applied to a model with ``num_hidden_layers`` blocks.
+
+        Hybrids pass ``ssm_layers`` (the only layers an anchor may sit on; the default anchors move onto them) and
+        ``layer_costs`` (see :func:`schedule_reduction`; a ``flops_reduction`` target then weighs the layers)."""
         _check_depth(num_hidden_layers)
         anchors = self.anchors if self.anchors is not None else default_anchors(num_hidden_layers)
+        if self.anchors is None and ssm_layers is not None:
+            anchors = ssm_anchors(anchors, ssm_layers, num_hidden_layers)
         if not anchors:
             raise ValueError(
                 f"a {num_hidden_layers}-layer model is too shallow for the default anchor rule; pass anchors=[...]"
@@ -376,12 +364,20 @@ class TokenReductionConfig:
                 f"{num_hidden_layers}-layer model, so no block runs on the reduced sequence and it saves nothing; "
                 f"anchors must be in [0, {num_hidden_layers - 2}]"
             )
+        off = [a for a in anchors if ssm_layers is not None and a not in ssm_layers]
+        if off:
+            raise ValueError(
+                f"TokenReductionConfig.anchors {list(anchors)}: layer(s) {off} of this hybrid model are not SSM layers "
+                f"(an anchor's importance comes from its SSM mixer); pick anchors among the SSM layers "
+                f"{list(ssm_layers)}, or omit anchors to use the default rule"
+            )
         if self.keep_ratio is not None:
             keep = self.keep_ratio
         else:
-            keep = solve_keep_ratio(num_hidden_layers, anchors, self.flops_reduction, max(self.min_keep_ratio, 1e-6))
+            keep = solve_keep_ratio(num_hidden_layers, anchors, self.flops_reduction, max(self.min_keep_ratio, 1e-6),
+                                    layer_costs)
         return ResolvedSchedule(num_hidden_layers, tuple(anchors), keep,
-                                schedule_proxy_reduction(num_hidden_layers, anchors, keep), self.spec.pairs)
+                                schedule_reduction(num_hidden_layers, anchors, keep, layer_costs), self.spec.pairs)
 
     # ------------------------------------------------------------------ (de)serialisation
 

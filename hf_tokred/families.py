@@ -8,44 +8,13 @@ public checkpoints (for random-weight models of the real sizes).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
+from .blocks import FlopsBreakdown, attention_flops, mamba2_mixer_flops, mlp_flops, moe_flops
+
 __all__ = ["FAMILIES", "Family", "FlopsBreakdown", "family_names", "family_of", "supported_text"]
-
-
-@dataclass(frozen=True)
-class FlopsBreakdown:
-    """FLOPs of a forward pass, split by component (multiply-add = 2 FLOPs, whole batch).
-
-    ``elementwise`` is not a separate component: it is the part of the other five fields
-    (bias adds, residual adds, scan arithmetic, norms) that is not a matmul/conv kernel.
-    """
-
-    projections: int
-    conv: int
-    scan: int
-    norm: int
-    lm_head: int
-    elementwise: int = 0
-
-    @property
-    def total(self) -> int:
-        """All counted FLOPs."""
-        return self.projections + self.conv + self.scan + self.norm + self.lm_head
-
-    @property
-    def matmul(self) -> int:
-        """Linear + (b)mm/einsum + conv FLOPs: what ``torch.utils.flop_counter.FlopCounterMode`` sees."""
-        return self.total - self.elementwise
-
-    def __add__(self, other: FlopsBreakdown) -> FlopsBreakdown:
-        if not isinstance(other, FlopsBreakdown):
-            return NotImplemented
-        return FlopsBreakdown(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
-
 
 
 # ----------------------------------------------------------------------------- FLOPs of one block
@@ -91,49 +60,16 @@ def falcon_mamba_layer_flops(config: Any, L: int, B: int) -> FlopsBreakdown:
 
 def mamba2_layer_flops(config: Any, L: int, B: int) -> FlopsBreakdown:
     d = config.hidden_size
-    D = int(config.expand * d)
-    H = config.num_heads
-    P = config.head_dim
-    G = config.n_groups
-    N = config.state_size
-    K = config.conv_kernel
-    Q = config.chunk_size
-    conv_dim = D + 2 * G * N
-    tokens = B * L
+    mixer = mamba2_mixer_flops(d, int(config.expand * d), config.num_heads, config.head_dim, config.n_groups,
+                               config.state_size, config.conv_kernel, config.chunk_size, config.use_bias,
+                               config.use_conv_bias, L, B)
+    return mixer + _pre_norm_residual(d, B * L)
 
-    in_out = D + conv_dim + H
-    proj_mm = 2 * tokens * (d * in_out + D * d)
-    proj_ew = tokens * d  # residual add
-    if config.use_bias:
-        proj_ew += tokens * (in_out + d)
 
-    conv_positions = B * (L + K - 1)
-    conv_mm = 2 * conv_positions * conv_dim * K
-    conv_ew = conv_positions * conv_dim if config.use_conv_bias else 0
-
-    nc = math.ceil(L / Q)
-    Lp = nc * Q
-    scan_mm = 2 * B * H * (Lp * Q * N + Lp * Q * P + Lp * P * N + (nc + 1) ** 2 * P * N + Lp * N * P)
-    scan_ew = B * (
-        2 * L * H  # dt + dt_bias, A * dt
-        + L * D  # x * dt
-        + 4 * Lp * D  # D * x, + D_residual, Y_off decay scaling, Y_diag + Y_off
-        + 2 * H * Lp  # cumsum(A), decay_states subtraction
-        + 2 * H * Lp * Q  # intra-chunk segment-sum cumsum, G * L
-        + H * Lp * N  # B * decay_states
-        + H * (nc + 1) ** 2  # inter-chunk segment-sum cumsum
-    )
-
-    norm = 4 * tokens * d + 5 * tokens * D  # block RMSNorm, gated RMSNorm
-    return FlopsBreakdown(
-        projections=proj_mm + proj_ew,
-        conv=conv_mm + conv_ew,
-        scan=scan_mm + scan_ew,
-        norm=norm,
-        lm_head=0,
-        elementwise=proj_ew + conv_ew + scan_ew + norm,
-    )
-
+def _pre_norm_residual(d: int, tokens: int, scaled: bool = False) -> FlopsBreakdown:
+    """A block's RMSNorm (``4*d`` per token) and residual add (``d``; ``scaled``: also a multiplier, ``d``)."""
+    add = tokens * d * (2 if scaled else 1)
+    return FlopsBreakdown(add, 0, 0, 4 * tokens * d, 0, elementwise=add + 4 * tokens * d)
 
 
 # ----------------------------------------------------------------------------- the SSM's step sizes (the "delta" metric)
@@ -168,6 +104,135 @@ def mamba2_delta(mixer, inputs, output):
     return dt.clamp(min=low, max=high).mean(-1)
 
 
+# ----------------------------------------------------------------------------- hybrid SSM-attention layers
+
+#: a layer's kind, from the names transformers' hybrid configs use in ``layers_block_type``
+_KINDS = {"linear_attention": "ssm", "mamba": "ssm", "full_attention": "attention", "attention": "attention",
+          "mlp": "mlp", "moe": "moe"}
+
+
+def hybrid_layer_kinds(config: Any) -> tuple[str, ...]:
+    """``"ssm"`` / ``"attention"`` / ``"mlp"`` / ``"moe"`` for each layer of a hybrid config."""
+    names = list(config.layers_block_type)
+    unknown = sorted({n for n in names if n not in _KINDS})
+    if unknown:
+        raise ValueError(f"{type(config).__name__}.layers_block_type has layer types {unknown} that token reduction "
+                         f"does not know; known: {', '.join(_KINDS)}")
+    return tuple(_KINDS[n] for n in names)
+
+
+def _attention(config: Any, L: int, B: int, rotary: bool, bias: bool) -> FlopsBreakdown:
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return attention_flops(config.hidden_size, heads, config.num_key_value_heads, head_dim, bias, rotary, L, L, B)
+
+
+def _granite_mamba2(config: Any, L: int, B: int) -> FlopsBreakdown:
+    """The Mamba-2 mixer of Bamba / Granite 4.0 (``mamba_*`` config names)."""
+    d = config.hidden_size
+    return mamba2_mixer_flops(d, int(config.mamba_expand * d), config.mamba_n_heads, config.mamba_d_head,
+                              config.mamba_n_groups, config.mamba_d_state, config.mamba_d_conv,
+                              config.mamba_chunk_size, config.mamba_proj_bias, config.mamba_conv_bias, L, B)
+
+
+def bamba_layer_flops(config: Any, L: int, B: int, layer: int) -> FlopsBreakdown:
+    """A Bamba decoder layer: Mamba-2 mixer or rotary attention, then a gated MLP; two pre-norms and residuals."""
+    d, tokens = config.hidden_size, B * L
+    ssm = hybrid_layer_kinds(config)[layer] == "ssm"
+    mixer = _granite_mamba2(config, L, B) if ssm else _attention(config, L, B, True, config.attention_bias)
+    ffn = mlp_flops(d, config.intermediate_size, True, config.mlp_bias, tokens)
+    return mixer + ffn + _pre_norm_residual(d, tokens) + _pre_norm_residual(d, tokens)
+
+
+def granite_hybrid_layer_flops(config: Any, L: int, B: int, layer: int) -> FlopsBreakdown:
+    """A Granite 4.0 layer: Mamba-2 mixer or attention (rotary or none), then the shared MLP plus a top-k MoE;
+    each residual branch scaled by ``residual_multiplier``."""
+    d, tokens = config.hidden_size, B * L
+    ssm = hybrid_layer_kinds(config)[layer] == "ssm"
+    rotary = config.position_embedding_type == "rope"
+    mixer = _granite_mamba2(config, L, B) if ssm else _attention(config, L, B, rotary, config.attention_bias)
+    ffn = mlp_flops(d, config.shared_intermediate_size, True, False, tokens)
+    if config.num_local_experts > 0:
+        ffn = ffn + moe_flops(d, config.intermediate_size, config.num_local_experts, config.num_experts_per_tok,
+                              True, tokens) + FlopsBreakdown(0, 0, 0, 0, 0, mlp=tokens * d, elementwise=tokens * d)
+    return mixer + ffn + _pre_norm_residual(d, tokens, True) + _pre_norm_residual(d, tokens, True)
+
+
+def nemotron_h_layer_flops(config: Any, L: int, B: int, layer: int) -> FlopsBreakdown:
+    """A Nemotron-H block: one pre-norm, one mixer (Mamba-2, attention without positions, ReLU^2 MLP or MoE with a
+    shared expert), one residual add."""
+    d, tokens = config.hidden_size, B * L
+    kind = hybrid_layer_kinds(config)[layer]
+    if kind == "ssm":
+        H, P = config.mamba_num_heads, config.mamba_head_dim
+        mixer = mamba2_mixer_flops(d, H * P, H, P, config.n_groups, config.ssm_state_size, config.conv_kernel,
+                                   config.chunk_size, config.use_bias, config.use_conv_bias, L, B)
+    elif kind == "attention":
+        mixer = _attention(config, L, B, False, False)
+    elif kind == "mlp":
+        mixer = mlp_flops(d, config.intermediate_size, False, config.mlp_bias, tokens)
+    else:
+        latent = config.moe_latent_size
+        mixer = (moe_flops(latent or d, config.moe_intermediate_size, config.n_routed_experts,
+                           config.num_experts_per_tok, False, tokens)
+                 + mlp_flops(d, config.moe_shared_expert_intermediate_size, False, config.mlp_bias, tokens)
+                 + FlopsBreakdown(0, 0, 0, 0, 0, mlp=tokens * d, elementwise=tokens * d))  # experts + shared
+        if latent:  # the router reads d, not the latent width; the latent projections in and out
+            mixer = mixer + FlopsBreakdown(0, 0, 0, 0, 0, mlp=2 * tokens * config.n_routed_experts * (d - latent)
+                                           + 2 * 2 * tokens * d * latent)
+    return mixer + _pre_norm_residual(d, tokens)
+
+
+def bamba_feed_forward(block: Any, x: Any) -> Any:
+    """What a Bamba layer does after ``x = residual + mixer(norm(residual))``."""
+    return x + block.feed_forward(block.pre_ff_layernorm(x))
+
+
+def granite_hybrid_feed_forward(block: Any, x: Any) -> Any:
+    """What a Granite 4.0 layer does after its scaled mixer residual: shared MLP (+ MoE), scaled, added."""
+    y = block.post_attention_layernorm(x)
+    out = block.shared_mlp(y)
+    if block.block_sparse_moe is not None:
+        out = block.block_sparse_moe(y) + out
+    return x + out * block.residual_multiplier
+
+
+def _hybrid_pattern(layers: int) -> list[str]:
+    """A random hybrid's layers: attention at every fourth layer from the third (``M M A M M M A M ...``)."""
+    return ["full_attention" if i % 4 == 2 else "linear_attention" for i in range(layers)]
+
+
+def _granite_random(d: int, tiny: bool) -> dict:
+    heads = 4 if tiny else d // 64
+    return dict(num_attention_heads=heads, num_key_value_heads=max(heads // 4, 1), intermediate_size=d // 2,
+                shared_intermediate_size=d, mamba_n_heads=2 * d // 16 if tiny else 2 * d // 64,
+                mamba_d_head=16 if tiny else 64, mamba_d_state=16 if tiny else 128, mamba_n_groups=1,
+                mamba_chunk_size=32 if tiny else 256, position_embedding_type="rope", num_local_experts=4 if tiny else 32,
+                num_experts_per_tok=2 if tiny else 8)
+
+
+def _bamba_random(d: int, tiny: bool) -> dict:
+    heads = 4 if tiny else d // 64
+    return dict(num_attention_heads=heads, num_key_value_heads=max(heads // 4, 1), intermediate_size=2 * d,
+                mamba_n_heads=2 * d // 16 if tiny else 2 * d // 64, mamba_d_head=16 if tiny else 64,
+                mamba_d_state=16 if tiny else 128, mamba_n_groups=1, mamba_chunk_size=32 if tiny else 256)
+
+
+def _nemotron_h_random(d: int, tiny: bool) -> dict:
+    heads = 4 if tiny else d // 128
+    return dict(num_attention_heads=heads, num_key_value_heads=max(heads // 4, 1), head_dim=d // heads,
+                mamba_num_heads=2 * d // 16 if tiny else 2 * d // 64, mamba_head_dim=16 if tiny else 64,
+                ssm_state_size=16 if tiny else 128, n_groups=1, chunk_size=32 if tiny else 256,
+                intermediate_size=2 * d, n_routed_experts=4 if tiny else 64, num_experts_per_tok=2 if tiny else 6,
+                moe_intermediate_size=d // 2, moe_shared_expert_intermediate_size=d)
+
+
+def _nemotron_h_pattern(layers: int) -> list[str]:
+    """Nemotron-H's layers alternate a mixer and a feed-forward: ``M E M E A E M E ...``."""
+    mixers = _hybrid_pattern((layers + 1) // 2)
+    return [mixers[i // 2] if i % 2 == 0 else "moe" for i in range(layers)]
+
+
 # ----------------------------------------------------------------------------- the table
 
 
@@ -193,6 +258,35 @@ class Family:
     #: module-level functions of ``modeling_module`` that hf_tokred's fast Mamba-1 kernels replace (the selective
     #: scan and the causal convolution, looked up as globals by the mixer at call time)
     fast_functions: tuple[str, ...] = ()
+    #: where the reducing loop finds the parts (attribute names): the LM's backbone, its embeddings and final
+    #: norm, a block's pre-mixer norm and SSM mixer
+    backbone_attr: str = "backbone"
+    embeddings_attr: str = "embeddings"
+    final_norm_attr: str = "norm_f"
+    norm_attr: str = "norm"
+    mixer_attr: str = "mixer"
+    #: hybrids: each layer's kind (``"ssm"``, ``"attention"``, ``"mlp"``, ``"moe"``); ``None``: all SSM layers
+    layer_kinds: Callable[[Any], tuple[str, ...]] | None = None
+    #: hybrids: what an SSM layer does after ``residual + mixer(norm(x))`` (its feed-forward half), or ``None``
+    feed_forward: Callable[[Any, Any], Any] | None = None
+    #: config attributes that multiply the embeddings / divide the logits, block attribute scaling the mixer output
+    embedding_multiplier: str = ""
+    logits_divisor: str = ""
+    residual_multiplier: str = ""
+    #: hybrids: ``layers_block_type`` of a random model with this many layers
+    random_layers: Callable[[int], dict] = lambda layers: {}
+
+    @property
+    def hybrid(self) -> bool:
+        return self.layer_kinds is not None
+
+    def kinds(self, config: Any) -> tuple[str, ...]:
+        """Each layer's kind (``"ssm"`` everywhere for pure SSM families)."""
+        return self.layer_kinds(config) if self.hybrid else ("ssm",) * config.num_hidden_layers
+
+    def block_flops(self, config: Any, L: int, B: int, layer: int) -> FlopsBreakdown:
+        """FLOPs of block ``layer`` on ``B x L`` tokens (a hybrid's blocks differ by kind)."""
+        return self.layer_flops(config, L, B, layer) if self.hybrid else self.layer_flops(config, L, B)
 
 
 def _mamba2_random(d: int, tiny: bool) -> dict:
@@ -229,6 +323,40 @@ FAMILIES: dict[str, Family] = {
         sizes={"tiny": (64, 12), "7b": (4096, 64)},
         random_kwargs=lambda d, tiny: dict(state_size=16, **({} if tiny else {"vocab_size": 65024})),
         fast_functions=_MAMBA1_FAST,
+    ),
+    # hybrids: Mamba-2 layers among attention layers (and feed-forward / MoE halves or layers).  Random models use
+    # the pattern M M A M (attention every fourth layer from the third); "1b" is a ~1.2 B-parameter shape with it,
+    # not a specific checkpoint
+    "bamba": Family(
+        model_type="bamba", name="Bamba", lm_class="BambaForCausalLM", backbone_class="BambaModel",
+        config_class="BambaConfig", modeling_module="transformers.models.bamba.modeling_bamba",
+        mixer_takes_kwargs=True, layer_flops=bamba_layer_flops, delta_source="in_proj", delta=mamba2_delta,
+        sizes={"tiny": (64, 8), "1b": (2048, 24)}, random_kwargs=_bamba_random,
+        backbone_attr="model", embeddings_attr="embed_tokens", final_norm_attr="final_layernorm",
+        norm_attr="input_layernorm", mixer_attr="mamba", layer_kinds=hybrid_layer_kinds,
+        feed_forward=bamba_feed_forward,
+        random_layers=lambda n: {"attn_layer_indices": [i for i, t in enumerate(_hybrid_pattern(n)) if t != "linear_attention"]},
+    ),
+    "granitemoehybrid": Family(
+        model_type="granitemoehybrid", name="Granite 4.0 (MoE hybrid)", lm_class="GraniteMoeHybridForCausalLM",
+        backbone_class="GraniteMoeHybridModel", config_class="GraniteMoeHybridConfig",
+        modeling_module="transformers.models.granitemoehybrid.modeling_granitemoehybrid", mixer_takes_kwargs=True,
+        layer_flops=granite_hybrid_layer_flops, delta_source="in_proj", delta=mamba2_delta,
+        sizes={"tiny": (64, 8)}, random_kwargs=_granite_random,
+        backbone_attr="model", embeddings_attr="embed_tokens", final_norm_attr="norm",
+        norm_attr="input_layernorm", mixer_attr="mamba", layer_kinds=hybrid_layer_kinds,
+        feed_forward=granite_hybrid_feed_forward, embedding_multiplier="embedding_multiplier",
+        logits_divisor="logits_scaling", residual_multiplier="residual_multiplier",
+        random_layers=lambda n: {"layer_types": _hybrid_pattern(n)},
+    ),
+    "nemotron_h": Family(
+        model_type="nemotron_h", name="Nemotron-H", lm_class="NemotronHForCausalLM",
+        backbone_class="NemotronHModel", config_class="NemotronHConfig",
+        modeling_module="transformers.models.nemotron_h.modeling_nemotron_h", mixer_takes_kwargs=True,
+        layer_flops=nemotron_h_layer_flops, delta_source="in_proj", delta=mamba2_delta,
+        sizes={"tiny": (64, 8)}, random_kwargs=_nemotron_h_random,
+        backbone_attr="model", layer_kinds=hybrid_layer_kinds,
+        random_layers=lambda n: {"layers_block_type": _nemotron_h_pattern(n)},
     ),
 }
 

@@ -1,4 +1,4 @@
-"""Analytic forward-pass FLOPs for HF Mamba / Mamba-2 causal LMs with per-layer sequence lengths.
+"""Analytic forward-pass FLOPs for the supported causal LMs (Mamba, Mamba-2, hybrids) with per-layer lengths.
 
 When tokens are removed or merged between blocks, block ``i`` processes ``layer_lengths[i]``
 tokens.  The functions here count the FLOPs of such a forward pass from the config alone
@@ -41,6 +41,9 @@ Conventions (all counts are for the whole batch):
   ``layer_lengths[-1]`` tokens.  Mamba-2's gated norm costs ``5*D`` per token (``x*silu(g)``
   then RMSNorm).
 * ``lm_head``: ``2*B*P*d*V`` for ``P = lm_head_positions`` positions.
+* Hybrids (:mod:`hf_tokred.blocks`): ``attention`` counts both score products over the whole ``L x L`` matrix
+  of a block's real length (quadratic), plus the score scaling and mask add and the rotary embedding; ``mlp``
+  counts feed-forward layers and, for a mixture of experts, the router and each token's active experts only.
 
 ``FlopsBreakdown.matmul`` is the part made of linear / matmul / bmm / einsum / conv kernels,
 i.e. what ``FlopCounterMode`` counts for the stock eager forward.
@@ -58,6 +61,7 @@ from .families import FAMILIES, FlopsBreakdown, family_of
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
     "FlopsBreakdown",
+    "layer_costs",
     "layer_flops",
     "model_flops",
     "flops_reduction",
@@ -66,6 +70,8 @@ __all__ = [
 
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(FAMILIES)
 _ZERO = FlopsBreakdown(0, 0, 0, 0, 0, 0)
+#: the sequence length at which a hybrid's layers are weighed against each other for a FLOPs target
+SCHEDULE_REFERENCE_LENGTH = 2048
 
 
 # --------------------------------------------------------------------------- validation
@@ -107,16 +113,32 @@ def _lm_head_positions(value: int | None, last_length: int, name: str) -> int:
 # --------------------------------------------------------------------------- public API
 
 
-def layer_flops(config: Any, seq_len: int, batch: int = 1) -> FlopsBreakdown:
+def layer_flops(config: Any, seq_len: int, batch: int = 1, layer: int | None = None) -> FlopsBreakdown:
     """FLOPs of one block (pre-norm, mixer, residual) processing ``seq_len`` tokens per sequence.
 
-    ``config`` is a ``MambaConfig`` or ``Mamba2Config`` (detected by ``config.model_type``).
-    ``lm_head`` is 0 here.  See the module docstring for the counting conventions.
+    ``config`` is the config of a supported family (detected by ``config.model_type``); a hybrid's blocks differ
+    by kind, so ``layer`` (the block's index) is required there.  ``lm_head`` is 0 here.  See the module
+    docstring for the counting conventions.
     """
     family = family_of(config)
     seq_len = _int(seq_len, "seq_len", 1)
     batch = _int(batch, "batch", 1)
-    return family.layer_flops(config, seq_len, batch)
+    if layer is None and family.hybrid:
+        raise ValueError(f"{family.name} is a hybrid whose layers differ (SSM, attention, feed-forward); pass "
+                         "layer=<block index>")
+    return family.block_flops(config, seq_len, batch, 0 if layer is None else _int(layer, "layer", 0))
+
+
+def layer_costs(config: Any, length: int = SCHEDULE_REFERENCE_LENGTH) -> list[tuple[float, float]]:
+    """Each block's FLOPs at a fraction ``f`` of ``length`` tokens as ``a*f + b*f**2`` (``b``: attention's score
+    products), relative to the whole stack at ``length``: what the schedule solver weighs a hybrid's layers by
+    (:func:`hf_tokred.schedule.schedule_reduction`).  Fitted exactly from the counts at ``length`` and
+    ``length / 2``."""
+    family = family_of(config)
+    full = [family.block_flops(config, length, 1, i).total for i in range(config.num_hidden_layers)]
+    half = [family.block_flops(config, length // 2, 1, i).total for i in range(config.num_hidden_layers)]
+    scale = float(sum(full))
+    return [((f - 2 * (f - 2 * h)) / scale, 2 * (f - 2 * h) / scale) for f, h in zip(full, half)]
 
 
 def model_flops(
@@ -137,8 +159,8 @@ def model_flops(
     positions = _lm_head_positions(lm_head_positions, lengths[-1], "lm_head_positions")
 
     total = _ZERO
-    for length in lengths:
-        total = total + family.layer_flops(config, length, batch)
+    for i, length in enumerate(lengths):
+        total = total + family.block_flops(config, length, batch, i)
     d = config.hidden_size
     norm_f = 4 * batch * lengths[-1] * d
     head = 2 * batch * positions * d * config.vocab_size

@@ -16,12 +16,14 @@ import torch.nn.functional as F
 from .compat import with_legacy_cache_name
 from .loop import check_shapes, generation_prompt, reduced_backbone
 from .outputs import TokenReductionCausalLMOutput, TokenReductionModelOutput, computed_mask, scatter_to_positions
+from .families import family_of
 from .settings import active
 
 __all__ = ["backbone_forward", "generate", "lm_forward", "reduced_loss"]
 
 _BACKBONE_KEYS = (
-    "input_ids", "inputs_embeds", "cache", "use_cache", "output_hidden_states", "attention_mask", "protected_mask"
+    "input_ids", "inputs_embeds", "cache", "use_cache", "output_hidden_states", "attention_mask", "protected_mask",
+    "position_ids",
 )
 
 
@@ -33,9 +35,10 @@ def _bind(signature: inspect.Signature, self, args, kwargs) -> dict[str, Any]:
     params = {**params, **params.pop("kwargs", {})}
     # the cache under either name (transformers renamed ``cache_params`` to ``cache`` in 5.24 and keeps the old name
     # as a deprecated alias); the reducing loop calls it ``cache``
+    # (and hybrid models' ``past_key_values`` before 5.24)
     cache = params.pop("cache", None)
-    alias = params.pop("cache_params", None)
-    params["cache"] = cache if cache is not None else alias
+    aliases = [a for a in (params.pop("cache_params", None), params.pop("past_key_values", None)) if a is not None]
+    params["cache"] = cache if cache is not None or not aliases else aliases[0]
     return params
 
 
@@ -54,7 +57,7 @@ def backbone_forward(original):
             kwargs.pop("protected_mask", None)  # nothing is reduced, so every position survives
             return original(self, *args, **kwargs)
         p = _bind(signature, self, args, kwargs)
-        return_dict = p.pop("return_dict")
+        return_dict = p.pop("return_dict", None)
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         r = reduced_backbone(self, *settings, **p)
         N = _length(p)
@@ -65,7 +68,7 @@ def backbone_forward(original):
         )
         if not return_dict:
             return tuple(v for v in (out.last_hidden_state, out.cache, out.hidden_states) if v is not None)
-        return with_legacy_cache_name(out)
+        return with_legacy_cache_name(out, family_of(self).hybrid)
 
     forward._hf_tokred_original = original
     return forward
@@ -106,6 +109,16 @@ def _logits(head, r, every, N: int, logits_to_keep, compact: bool) -> torch.Tens
     return part if compact else scatter_to_positions(part, r.positions[:, M - cols :], N - start, offset=start)
 
 
+def _check_loss_terms(model, p: dict, labels, family) -> None:
+    """Loss terms a reducing forward does not compute are refused rather than silently left out."""
+    if p.get("output_router_logits") or getattr(model.config, "output_router_logits", False):
+        raise ValueError(f"output_router_logits (the MoE load-balancing loss) is not supported with token reduction "
+                         f"on {family.name}; pass output_router_logits=False, or turn reduction off")
+    if labels is not None and getattr(model.config, "z_loss_coefficient", 0):
+        raise ValueError(f"the z-loss (config.z_loss_coefficient={model.config.z_loss_coefficient}) is not supported "
+                         "with token reduction; set config.z_loss_coefficient = 0, or turn reduction off")
+
+
 def lm_forward(original):
     """``MambaForCausalLM.forward`` / ``Mamba2ForCausalLM.forward``: logits mapped back to the input positions."""
     signature = inspect.signature(original)
@@ -122,15 +135,19 @@ def lm_forward(original):
         if compact and not isinstance(logits_to_keep, int):
             raise ValueError("compact_logits=True takes an int logits_to_keep (0 = every computed position); "
                              "select positions from the compact logits with kept_positions instead")
-        return_dict = p.pop("return_dict")
+        return_dict = p.pop("return_dict", None)
         return_dict = return_dict if return_dict is not None else self.config.return_dict
+        family = family_of(self)
+        _check_loss_terms(self, p, labels, family)
         N = _length(p)
         if labels is not None:
             check_shapes((p["input_ids"] if p["input_ids"] is not None else p["inputs_embeds"]).shape[0], N, labels,
                          None)
         loss_kwargs = {k: v for k, v in p.items() if k not in _BACKBONE_KEYS}
-        r = reduced_backbone(self.backbone, *settings, **{k: p.get(k) for k in _BACKBONE_KEYS})
-        head = lambda h: self.lm_head(h.to(self.lm_head.weight.dtype)).float()  # noqa: E731
+        backbone = getattr(self, family.backbone_attr)
+        r = reduced_backbone(backbone, *settings, **{k: p.get(k) for k in _BACKBONE_KEYS})
+        divisor = getattr(self.config, family.logits_divisor) if family.logits_divisor else 1.0
+        head = lambda h: self.lm_head(h.to(self.lm_head.weight.dtype)).float() / divisor  # noqa: E731
         every = head(r.hidden) if labels is not None or not isinstance(logits_to_keep, int) else None
         logits = _logits(head, r, every, N, logits_to_keep, compact)
         loss = reduced_loss(self, every, labels, r.positions, loss_kwargs) if labels is not None else None
@@ -139,7 +156,7 @@ def lm_forward(original):
             return ((loss,) + out) if loss is not None else out
         return with_legacy_cache_name(TokenReductionCausalLMOutput(
             loss=loss, logits=logits, cache=r.cache, hidden_states=r.all_hidden,
-            computed_mask=computed_mask(r.positions, N), kept_positions=r.positions, plans=r.plans))
+            computed_mask=computed_mask(r.positions, N), kept_positions=r.positions, plans=r.plans), family.hybrid)
 
     forward._hf_tokred_original = original
     return forward

@@ -23,7 +23,7 @@ from transformers import PreTrainedConfig, PreTrainedModel
 from .config import TokenReductionConfig
 from .families import FAMILIES, family_names, supported_text
 from .mamba_ssm_loading import load_original, original_config, original_transformers_config
-from .settings import UNSET, apply_token_reduction, handing_settings, pending_settings
+from .settings import UNSET, apply_token_reduction, handing_settings, pending_settings, resolve_schedule
 from .variant import VARIANT_MODEL_TYPE, TokenReductionVariant
 
 __all__ = ["auto_config_from_pretrained", "auto_model_from_pretrained", "model_from_pretrained"]
@@ -134,7 +134,7 @@ def auto_config_from_pretrained(original):
             )
         if token_reduction is not None:
             token_reduction = TokenReductionConfig.coerce(token_reduction)
-            token_reduction.resolve(config.num_hidden_layers)  # raises if the schedule does not fit this depth
+            resolve_schedule(token_reduction, config)  # raises if the schedule does not fit this model
         config.__dict__.pop("token_reduction", None)
         if token_reduction is not None:
             config.__dict__["token_reduction"] = token_reduction.to_dict()

@@ -18,9 +18,10 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import DynamicCache
 
-from .compat import cache_kwargs, recurrent_mask
+from .compat import cache_kwargs, layer_cache_kwargs, recurrent_mask
 from .config import ResolvedSchedule, TokenReductionConfig
 from .families import family_of
+from .hybrid import AttentionLayers, check_attention_implementation, default_positions, note_seen
 from .ops import fused_apply_plan
 from .outputs import ReductionRecord, current_recorder
 from .reduce import Plan, apply_plan_pair, extend_plan, make_plan, merge_weights, reduce_along
@@ -78,11 +79,13 @@ def _protected_for(mask: torch.Tensor, B: int, prefix: int, N: int) -> torch.Ten
     return F.pad(mask, (0, N - prefix), value=False)
 
 
-def _is_fresh(cache) -> bool:
+def _is_fresh(cache, first_ssm: int | None = None) -> bool:
+    """Whether ``cache`` holds nothing yet.  Hybrids ask their first SSM layer (transformers 5.22's cache counts a
+    Nemotron-H feed-forward layer as a stateful layer that never gets a state)."""
     if cache is None:
         return True
     try:
-        return not cache.has_previous_state()
+        return not cache.has_previous_state(first_ssm)
     except ValueError:  # a cache without linear-attention layers holds no state yet
         return True
 
@@ -129,18 +132,22 @@ def _step_sizes(mixer, family, wanted: bool):
 
 def _anchor_block(block, family, hidden, cache, layer_mask, real, protected, cfg, keep_ratio, mixer_kwargs, prefix,
                   timer):
-    """One anchor block, split into its two branches so each can be reduced before they are added.
+    """One anchor block, split into its two branches so each can be reduced before they are added; a hybrid
+    layer's feed-forward half then runs on the reduced sequence (it is per token).
 
     Only the first ``prefix`` columns (the prompt, when a no-cache ``generate`` re-runs prompt + generated tokens)
     are planned over; the columns after them are kept as they are, exactly as with a cache.
     """
+    norm, mixer = getattr(block, family.norm_attr), getattr(block, family.mixer_attr)
     residual = hidden
-    h = block.norm(hidden.to(dtype=block.norm.weight.dtype))
-    if block.residual_in_fp32:
+    h = norm(hidden.to(dtype=norm.weight.dtype))
+    if getattr(block, "residual_in_fp32", False):
         residual = residual.to(torch.float32)
     metric = cfg.importance_metric
-    with _step_sizes(block.mixer, family, metric == "delta") as delta:
-        h = block.mixer(h, **cache_kwargs(cache), attention_mask=layer_mask, **mixer_kwargs)
+    with _step_sizes(mixer, family, metric == "delta") as delta:
+        h = mixer(h, **cache_kwargs(cache), attention_mask=layer_mask, **mixer_kwargs)
+    if family.residual_multiplier:
+        h = h * getattr(block, family.residual_multiplier)
     with torch.no_grad(), timer("plan"):
         spec = cfg.spec
         scores = None if delta is None else delta.get()[:, :prefix]
@@ -149,9 +156,16 @@ def _anchor_block(block, family, hidden, cache, layer_mask, real, protected, cfg
         if plan is not None and prefix < h.shape[1]:
             plan = extend_plan(plan, prefix, h.shape[1])
     if plan is None:
-        return residual + h, None
-    with timer("apply"):
-        return _apply_both(residual, h, plan, cfg), plan
+        out = residual + h
+    else:
+        with timer("apply"):
+            out = _apply_both(residual, h, plan, cfg)
+    return (out if family.feed_forward is None else family.feed_forward(block, out)), plan
+
+
+def _output(out):
+    """A block's hidden states (hybrid decoder layers may return ``(hidden, attention weights)``)."""
+    return out[0] if isinstance(out, tuple) else out
 
 
 def _initial_protection(real: torch.Tensor, prefix: int, extra_masks, recent: float) -> torch.Tensor:
@@ -172,19 +186,29 @@ def _initial_protection(real: torch.Tensor, prefix: int, extra_masks, recent: fl
     return protected
 
 
+def _embed(backbone, family, input_ids, inputs_embeds):
+    if (input_ids is None) ^ (inputs_embeds is not None):
+        raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+    if inputs_embeds is None:
+        inputs_embeds = getattr(backbone, family.embeddings_attr)(input_ids)
+    if family.embedding_multiplier:
+        inputs_embeds = inputs_embeds * getattr(backbone.config, family.embedding_multiplier)
+    return inputs_embeds
+
+
 def reduced_backbone(backbone, cfg: TokenReductionConfig, schedule: ResolvedSchedule, input_ids=None,
                      inputs_embeds=None, cache=None, use_cache=None, output_hidden_states=None, attention_mask=None,
-                     protected_mask=None, **kwargs) -> Reduced:
-    """The backbone's forward with reduction after the schedule's anchors (the stock loop otherwise)."""
+                     protected_mask=None, position_ids=None, **kwargs) -> Reduced:
+    """The backbone's forward with reduction after the schedule's anchors (the stock loop otherwise).
+
+    Hybrids: attention layers get the reduced sequence with the original positions (:mod:`hf_tokred.hybrid`),
+    feed-forward / MoE layers run per token, and ``kwargs`` are not passed on."""
     config = backbone.config
     family = family_of(config)
     output_hidden_states = output_hidden_states if output_hidden_states is not None else config.output_hidden_states
     use_cache = use_cache if use_cache is not None else (config.use_cache if not backbone.training else False)
-    if (input_ids is None) ^ (inputs_embeds is not None):
-        raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
-    if inputs_embeds is None:
-        inputs_embeds = backbone.embeddings(input_ids)
-    if backbone.gradient_checkpointing and backbone.training and use_cache:
+    inputs_embeds = _embed(backbone, family, input_ids, inputs_embeds)
+    if getattr(backbone, "gradient_checkpointing", False) and backbone.training and use_cache:
         use_cache = False
     if use_cache and cache is None:
         cache = DynamicCache(config=config)
@@ -193,18 +217,27 @@ def reduced_backbone(backbone, cfg: TokenReductionConfig, schedule: ResolvedSche
     device = inputs_embeds.device
     check_shapes(B, N, None, attention_mask)
     layer_mask = recurrent_mask(config, inputs_embeds, attention_mask, cache)
-    reducing = N > 1 and _is_fresh(cache)
+    kinds = family.kinds(config)
+    fresh = _is_fresh(cache, kinds.index("ssm") if family.hybrid else None)
+    reducing = N > 1 and fresh
     prompt = _GENERATION.get()
     prefix = N if prompt is None else min(prompt.length, N)
+    if reducing and attention_mask is not None and attention_mask.shape[1] != N:
+        raise ValueError(f"attention_mask must have shape (batch, length) = {(B, N)} for a forward without a "
+                         f"cache; got {tuple(attention_mask.shape)}")
+    real = (torch.ones(B, N, dtype=torch.bool, device=device) if attention_mask is None
+            else attention_mask[:, -N:].to(device=device, dtype=torch.bool))
     if reducing:
-        if attention_mask is not None and attention_mask.shape[1] != N:
-            raise ValueError(f"attention_mask must have shape (batch, length) = {(B, N)} for a forward without a "
-                             f"cache; got {tuple(attention_mask.shape)}")
-        real = (torch.ones(B, N, dtype=torch.bool, device=device) if attention_mask is None
-                else attention_mask.to(device=device, dtype=torch.bool))
         protected = _initial_protection(real, prefix, (protected_mask, None if prompt is None else
                                                        prompt.protected_mask), cfg.protect_recent)
     positions = torch.arange(N, device=device).expand(B, N)
+    attention = None
+    if family.hybrid:
+        check_attention_implementation(config)
+        original = (default_positions(cache, B, N, fresh, device) if position_ids is None
+                    else position_ids.to(device).expand(B, N))
+        attention, kwargs = AttentionLayers(backbone, cache, original, use_cache, fresh), {}
+    block_cache = layer_cache_kwargs(cache) if family.hybrid else cache_kwargs(cache)
     mixer_kwargs = kwargs if family.mixer_takes_kwargs else {}
     anchors = set(schedule.anchors) if reducing and prefix > 1 else set()
     recorder = current_recorder() if reducing else None
@@ -214,12 +247,12 @@ def reduced_backbone(backbone, cfg: TokenReductionConfig, schedule: ResolvedSche
     hidden = inputs_embeds
     all_hidden = () if output_hidden_states else None
     plans, lengths = [], []
-    for i, block in enumerate(backbone.layers):
+    for i, (block, kind) in enumerate(zip(backbone.layers, kinds)):
         if record is not None:
             lengths.append(real.sum(1))
         if i in anchors:
-            hidden, plan = _anchor_block(block, family, hidden, cache, layer_mask, real, protected, cfg, schedule.keep_ratio,
-                                         mixer_kwargs, prefix, timer)
+            hidden, plan = _anchor_block(block, family, hidden, cache, layer_mask, real, protected, cfg,
+                                         schedule.keep_ratio, mixer_kwargs, prefix, timer)
             if plan is not None:
                 plans.append((i, plan))
                 prefix = plan.keep.shape[1] - (real.shape[1] - prefix)  # the suffix columns are all kept
@@ -227,13 +260,20 @@ def reduced_backbone(backbone, cfg: TokenReductionConfig, schedule: ResolvedSche
                 protected = reduce_along(protected, plan, False)
                 positions = reduce_along(positions, plan, -1)
                 layer_mask = None if bool(real.all()) else real.to(torch.long)
+                if attention is not None:
+                    attention.shrink(plan)
+        elif kind == "attention":
+            hidden = attention(block, i, hidden, real)
         else:
-            hidden = block(hidden, **cache_kwargs(cache), attention_mask=layer_mask, **kwargs)
+            mask = layer_mask if kind == "ssm" else None
+            hidden = _output(block(hidden, **block_cache, attention_mask=mask, **kwargs))
         if output_hidden_states:
             all_hidden += (hidden,)
-    hidden = backbone.norm_f(hidden)
+    hidden = getattr(backbone, family.final_norm_attr)(hidden)
     if output_hidden_states:
         all_hidden += (hidden,)
+    if family.hybrid and use_cache:
+        note_seen(cache, N, fresh)
     if record is not None:
         record.input_lengths = lengths[0].tolist()
         record.layer_lengths = torch.stack(lengths, 1).tolist()

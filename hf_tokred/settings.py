@@ -14,9 +14,10 @@ from typing import Any
 
 from .config import ResolvedSchedule, TokenReductionConfig
 from .families import family_of
+from .flops import layer_costs
 
 __all__ = ["UNSET", "active", "apply_token_reduction", "get_token_reduction", "handing_settings", "pending_settings",
-           "settings_property"]
+           "resolve_schedule", "settings_property"]
 
 #: "not given": keep whatever the checkpoint's config.json says (``token_reduction=None`` turns reduction off).
 UNSET: Any = type("Unset", (), {"__repr__": lambda self: "UNSET"})()
@@ -40,6 +41,16 @@ def pending_settings() -> Any:
     return _PENDING.get()
 
 
+def resolve_schedule(cfg: TokenReductionConfig, config: Any) -> ResolvedSchedule:
+    """``cfg.resolve`` for the model of ``config``: a hybrid's anchors must sit on its SSM layers, and a FLOPs target
+    weighs its layers by their FLOPs (attention's quadratic term, feed-forward and MoE layers)."""
+    family = family_of(config)
+    if not family.hybrid:
+        return cfg.resolve(config.num_hidden_layers)
+    ssm = [i for i, kind in enumerate(family.kinds(config)) if kind == "ssm"]
+    return cfg.resolve(config.num_hidden_layers, ssm, layer_costs(config))
+
+
 def apply_token_reduction(model, token_reduction: TokenReductionConfig | dict | None):
     """Turn token reduction on (validated against the model's depth), or off with ``None``. Returns ``model``."""
     config = model.config
@@ -48,7 +59,7 @@ def apply_token_reduction(model, token_reduction: TokenReductionConfig | dict | 
         return model
     family_of(model)
     cfg = TokenReductionConfig.coerce(token_reduction)
-    cfg.resolve(config.num_hidden_layers)  # raises if the schedule does not fit this model
+    resolve_schedule(cfg, config)  # raises if the schedule does not fit this model
     config.__dict__["token_reduction"] = cfg.to_dict()
     return model
 
@@ -74,7 +85,7 @@ def active(module) -> tuple[TokenReductionConfig, ResolvedSchedule] | None:
         return cached[1]
     try:
         cfg = TokenReductionConfig.coerce(settings)
-        resolved = (cfg, cfg.resolve(config.num_hidden_layers))
+        resolved = (cfg, resolve_schedule(cfg, config))
     except (TypeError, ValueError) as err:
         raise ValueError(
             f"model.config.token_reduction is invalid for this {config.num_hidden_layers}-layer model: "

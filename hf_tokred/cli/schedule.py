@@ -6,7 +6,9 @@ import argparse
 import json
 
 from ..config import TokenReductionConfig
+from ..families import family_of
 from ..flops import flops_reduction, measured_proxy_reduction
+from ..settings import resolve_schedule
 from .common import UsageError, add_model_argument, add_reduction_arguments, load_for_command, positive, \
     reduction_from_args
 
@@ -19,12 +21,18 @@ def _schedule(args: argparse.Namespace) -> int:
     cfg = reduction_from_args(args) or TokenReductionConfig(flops_reduction=0.0)
     config = load_for_command(args.model)[0].config if args.layers is None else None
     layers = args.layers or config.num_hidden_layers
+    family = None if config is None else family_of(config)
     try:
-        s = cfg.resolve(layers)
+        s = cfg.resolve(layers) if config is None else resolve_schedule(cfg, config)
     except ValueError as err:
         raise UsageError(str(err)) from None
     row = {"num_hidden_layers": layers, "anchors": list(s.anchors), "keep_ratio": round(s.keep_ratio, 6),
            "flops_reduction_proxy": round(s.flops_reduction, 6)}
+    if family is not None and family.hybrid:
+        # the solver weighs a hybrid's layers by their FLOPs (not the paper's every-layer-alike proxy)
+        row["flops_reduction_layer_weighted"] = row.pop("flops_reduction_proxy")
+        row["layer_types"] = list(family.kinds(config))
+        row["anchor_types"] = [row["layer_types"][a] for a in s.anchors]
     if config is not None:
         lengths = s.layer_lengths(args.length)  # the lengths each block sees for one sequence
         row["length"] = args.length

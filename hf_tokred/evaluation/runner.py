@@ -24,7 +24,7 @@ from accelerate import Accelerator
 from accelerate.utils import InitProcessGroupKwargs
 
 from ..models import weights_fingerprint
-from ..settings import get_token_reduction
+from ..settings import get_token_reduction, resolve_schedule
 from ..version import __version__
 from . import data as data_mod
 from .fidelity import fidelity_result, fidelity_sums
@@ -179,7 +179,7 @@ def _result(model, model_name, cfg, entries, lm, fid, settings, timing) -> dict[
     if fid is not None and "heldout_fidelity" in lm.flops.summary()["per_task"]:
         fsum = lm.flops.summary(["heldout_fidelity"])
         fid["flops_exact"], fid["flops_proxy"] = fsum["exact"], fsum["proxy"]
-    schedule = cfg.resolve(model.config.num_hidden_layers).to_dict() if cfg is not None else None
+    schedule = resolve_schedule(cfg, model.config).to_dict() if cfg is not None else None
     result = {
         "schema": SCHEMA,
         "created": datetime.now(UTC).isoformat(timespec="seconds"),

@@ -38,7 +38,7 @@ from ..config import TokenReductionConfig
 from ..evaluation.results import load_eval_results
 from ..families import FAMILIES
 from ..models import load_model, weights_fingerprint
-from ..settings import apply_token_reduction, get_token_reduction
+from ..settings import apply_token_reduction, get_token_reduction, resolve_schedule
 from ..variant import AUTO_MAP, VARIANT_FILE, VARIANT_MODEL_TYPE
 from ..version import __version__
 from .base import base_license, is_hub_id, settings_base, special_spec
@@ -159,7 +159,7 @@ def _write_settings_only(out: Path, model, spec: str, token_reduction, tokenizer
         raise ValueError(f"the base model {base!r} has model_type={getattr(config, 'model_type', None)!r}; "
                          "token-reduced variants need a Mamba or Mamba-2 model")
     cfg = _coerce_settings(token_reduction, get_token_reduction(config))
-    cfg.resolve(config.num_hidden_layers)  # raises if the schedule does not fit the base
+    resolve_schedule(cfg, config)  # raises if the schedule does not fit the base
     if result is not None:
         check_eval_matches(result, cfg, config, spec, model)
     if tokenizer is None:

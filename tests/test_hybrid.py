@@ -1,0 +1,314 @@
+"""Hybrid SSM-attention models (issue 14): Bamba (rotary attention), Granite 4.0 MoE hybrid (rotary attention + MoE)
+and Nemotron-H (attention without positions, MoE layers), on tiny random models of each.
+
+References are independent of the reducing loop: stock transformers (reduction off: the wrapped forwards hand over to
+the original code), transformers' own attention module called on the captured reduced input with the original
+positions and a plain causal mask, a fresh forward for every decode step, one-at-a-time forwards for padded batches,
+and ``FlopCounterMode`` for the FLOPs.
+"""
+
+import json
+import types
+
+import pytest
+import torch
+import transformers
+from torch.utils.flop_counter import FlopCounterMode
+from transformers import JambaConfig
+
+from hf_tokred import TokenReductionConfig
+from hf_tokred.bench import format_table, run_bench
+from hf_tokred.cli import main
+from hf_tokred.families import FAMILIES
+from hf_tokred.flops import flops_reduction, layer_flops, model_flops
+from hf_tokred.loop import generation_prompt
+from hf_tokred.models import random_config
+from hf_tokred.settings import apply_token_reduction, resolve_schedule
+
+HYBRIDS = ["bamba", "granitemoehybrid", "nemotron_h"]
+ATOL = 1e-5
+
+
+def hybrid_model(name: str, seed: int = 0, **config_kw):
+    config = random_config(f"{name}-tiny")
+    for k, v in config_kw.items():
+        setattr(config, k, v)
+    torch.manual_seed(seed)
+    model = getattr(transformers, FAMILIES[name].lm_class)(config).eval()
+    with torch.no_grad():  # perturb the structured init so tokens and channels differ
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return model
+
+
+def ssm_layers(model) -> list[int]:
+    return [i for i, k in enumerate(FAMILIES[model.config.model_type].kinds(model.config)) if k == "ssm"]
+
+
+def reduce(model, keep_ratio: float = 0.7):
+    """Anchors on the first two SSM layers: every attention layer runs after one or two reductions."""
+    apply_token_reduction(model, TokenReductionConfig(keep_ratio=keep_ratio, anchors=ssm_layers(model)[:2]))
+    return model
+
+
+def stock(model, fn):
+    saved = model.config.token_reduction
+    apply_token_reduction(model, None)
+    try:
+        with torch.no_grad():
+            return fn()
+    finally:
+        model.config.token_reduction = saved
+
+
+def prompt(n: int = 20, batch: int = 1, seed: int = 1) -> torch.Tensor:
+    return torch.randint(2, 500, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(params=HYBRIDS)
+def model(request):
+    return hybrid_model(request.param)
+
+
+# ----------------------------------------------------------------------------- schedule, errors
+
+
+def test_layer_kinds_and_default_anchors_sit_on_ssm_layers():
+    config = random_config("granitemoehybrid-tiny")
+    config.layer_types = ["linear_attention"] * 3 + ["full_attention"] * 2 + ["linear_attention"] * 3
+    kinds = FAMILIES["granitemoehybrid"].kinds(config)
+    assert kinds == ("ssm",) * 3 + ("attention",) * 2 + ("ssm",) * 3
+    schedule = resolve_schedule(TokenReductionConfig(keep_ratio=0.8), config)
+    # the default rule's anchors (2, 3, 4, 5 for 8 layers) move to the last SSM layer at or before each
+    assert schedule.anchors and all(kinds[a] == "ssm" for a in schedule.anchors)
+    assert schedule.anchors == (2, 5)
+
+
+def test_anchor_on_attention_layer_is_refused():
+    model = hybrid_model("bamba")
+    with pytest.raises(ValueError, match=r"layer\(s\) \[2\] .* not SSM layers.*pick anchors among the SSM layers"):
+        apply_token_reduction(model, TokenReductionConfig(keep_ratio=0.8, anchors=[1, 2]))
+
+
+def test_unsupported_hybrid_class_is_refused():
+    jamba = types.SimpleNamespace(config=JambaConfig(num_hidden_layers=4))
+    with pytest.raises(ValueError, match="token reduction supports .*BambaForCausalLM.*model_type='jamba'"):
+        apply_token_reduction(jamba, TokenReductionConfig(keep_ratio=0.8))
+
+
+def test_attention_without_explicit_mask_is_refused():
+    model = reduce(hybrid_model("bamba"))
+    model.config._attn_implementation_internal = "flash_attention_2"
+    with pytest.raises(ValueError, match="attn_implementation='flash_attention_2'.*load the model with "
+                                         "attn_implementation='sdpa'"):
+        model(prompt())
+
+
+def test_loss_terms_the_reduced_forward_cannot_compute_are_refused():
+    model = reduce(hybrid_model("bamba"))
+    model.config.z_loss_coefficient = 1e-3
+    with pytest.raises(ValueError, match="z-loss"):
+        model(prompt(), labels=prompt())
+
+
+def test_flops_target_weighs_layer_types():
+    """A FLOPs target on a hybrid is met by the analytic FLOPs of its layers (attention's quadratic term, MoE),
+    which the paper's proxy (every layer alike) misses."""
+    config = random_config("granitemoehybrid-tiny")
+    cfg = TokenReductionConfig(flops_reduction=0.2, anchors=[0, 1])
+    schedule = resolve_schedule(cfg, config)
+    L = 2048
+    got = flops_reduction(config, schedule.layer_lengths(L), L, lm_head_positions=0, dense_lm_head_positions=0)
+    assert got == pytest.approx(0.2, abs=2e-3)
+    assert schedule.keep_ratio != pytest.approx(cfg.resolve(config.num_hidden_layers).keep_ratio, abs=1e-3)
+
+
+# ----------------------------------------------------------------------------- keep ratio 1.0 = stock
+
+
+def test_keep_ratio_one_equals_stock(model):
+    ids = prompt(20, batch=2)
+    ref = stock(model, lambda: model(ids, labels=ids))
+    ref_gen = stock(model, lambda: model.generate(ids, max_new_tokens=5, do_sample=False))
+    reduce(model, keep_ratio=1.0)
+    with torch.no_grad():
+        out = model(ids, labels=ids)
+        gen = model.generate(ids, max_new_tokens=5, do_sample=False)
+    torch.testing.assert_close(out.logits, ref.logits, atol=ATOL, rtol=0)
+    torch.testing.assert_close(out.loss, ref.loss, atol=ATOL, rtol=0)
+    assert torch.equal(gen, ref_gen)
+
+
+# ----------------------------------------------------------------------------- attention on the reduced sequence
+
+
+def _attention_module(block):
+    return getattr(block, "self_attn", None) or block.mixer
+
+
+def test_attention_sees_reduced_sequence_at_original_positions(model):
+    """The attention layer after both anchors, called by transformers' own code on its captured (reduced) input with
+    the original positions of the kept tokens (composed from the plans' keep indices) and a plain causal mask,
+    gives what it gave inside the reducing loop."""
+    reduce(model)
+    family = FAMILIES[model.config.model_type]
+    layer = family.kinds(model.config).index("attention")
+    attn = _attention_module(getattr(model, family.backbone_attr).layers[layer])
+    seen = {}
+    hook = attn.register_forward_hook(lambda m, args, kwargs, out: seen.update(kwargs=kwargs, out=out[0]),
+                                      with_kwargs=True)
+    ids = prompt(24)
+    with torch.no_grad():
+        out = model(ids, use_cache=False)
+    hook.remove()
+    (_, p0), (_, p1) = out.plans
+    original = p0.keep.gather(1, p1.keep)  # input position of each column after the second anchor
+    assert torch.equal(original, out.kept_positions)
+    hidden = seen["kwargs"]["hidden_states"]
+    assert hidden.shape[1] == original.shape[1] < ids.shape[1]
+    kwargs = {}
+    rotary = getattr(getattr(model, family.backbone_attr), "rotary_emb", None)
+    if rotary is not None:
+        kwargs["position_embeddings"] = rotary(hidden, original)
+    M = hidden.shape[1]
+    causal = torch.ones(M, M, dtype=torch.bool).tril()[None, None]
+    with torch.no_grad():
+        ref = attn(hidden_states=hidden, attention_mask=causal, **kwargs)[0]
+    torch.testing.assert_close(seen["out"], ref, atol=ATOL, rtol=0)
+
+
+def test_cache_holds_reduced_keys_and_decoding_continues_at_the_original_position(model):
+    reduce(model)
+    family = FAMILIES[model.config.model_type]
+    layers = [i for i, k in enumerate(family.kinds(model.config)) if k == "attention"]
+    ids = prompt(24)
+    with torch.no_grad():
+        out = model(ids, use_cache=True)
+    assert out.cache.get_seq_length(layers[0]) == out.kept_positions.shape[1] < ids.shape[1]
+    block = getattr(model, family.backbone_attr).layers[layers[0]]
+    seen = {}
+    hook = block.register_forward_hook(lambda m, args, kwargs, o: seen.update(kwargs), with_kwargs=True)
+    with torch.no_grad():
+        model(prompt(1, seed=5), cache=out.cache, use_cache=True)
+    hook.remove()
+    assert out.cache.get_seq_length(layers[0]) == out.kept_positions.shape[1] + 1
+    if "position_ids" in seen:
+        assert seen["position_ids"].tolist() == [[24]]
+
+
+# ----------------------------------------------------------------------------- decoding is exact
+
+
+@pytest.mark.parametrize("mode", ["greedy", "greedy-no-cache", "sample"])
+def test_every_decode_step_equals_a_fresh_forward_with_the_same_plan(model, mode):
+    reduce(model)
+    ids = prompt(20)
+    kw = dict(do_sample=mode == "sample", use_cache=mode != "greedy-no-cache", output_logits=True,
+              return_dict_in_generate=True, max_new_tokens=4, pad_token_id=1)
+    torch.manual_seed(3)
+    with torch.no_grad():
+        gen = model.generate(ids, **kw)
+    P = ids.shape[1]
+    for t, step_logits in enumerate(gen.logits):
+        with torch.no_grad(), generation_prompt(P, None):
+            fresh = model(gen.sequences[:, : P + t], use_cache=False).logits[:, -1]
+        torch.testing.assert_close(step_logits, fresh, atol=ATOL, rtol=0)
+
+
+# ----------------------------------------------------------------------------- padding
+
+
+def test_left_padded_batch_equals_one_at_a_time(model):
+    reduce(model)
+    long, short = prompt(22, seed=2)[0], prompt(15, seed=3)[0]
+    pad = long.shape[0] - short.shape[0]
+    ids = torch.stack([long, torch.cat([torch.full((pad,), 1), short])])
+    mask = torch.ones_like(ids)
+    mask[1, :pad] = 0
+    with torch.no_grad():
+        batch = model(ids, attention_mask=mask)
+        gen = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=1)
+        for row, (alone, offset) in enumerate(((long, 0), (short, pad))):
+            single = model(alone[None])
+            torch.testing.assert_close(batch.logits[row, offset:], single.logits[0], atol=ATOL, rtol=0,
+                                       equal_nan=True)
+            alone_gen = model.generate(alone[None], max_new_tokens=4, do_sample=False, pad_token_id=1)
+            assert torch.equal(gen[row, ids.shape[1]:], alone_gen[0, alone.shape[0]:])
+
+
+# ----------------------------------------------------------------------------- FLOPs
+
+
+def _eager(name: str):
+    model = hybrid_model(name)
+    model.config._attn_implementation_internal = "eager"  # sdpa on CPU is invisible to FlopCounterMode
+    model.config._experts_implementation_internal = "eager"  # the per-expert loop: active experts only
+    return model
+
+
+@pytest.mark.parametrize("name", HYBRIDS)
+def test_flops_match_flop_counter(name):
+    model = _eager(name)
+    n = model.config.num_hidden_layers
+    for L in (12, 40):  # one Mamba-2 chunk, and two
+        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+            model(prompt(L, batch=2))
+        assert counter.get_total_flops() == model_flops(model.config, [L] * n, batch=2).matmul, L
+
+
+@pytest.mark.parametrize("name", HYBRIDS)
+def test_attention_flops_at_each_layers_reduced_length(name):
+    """In a reduced forward, each attention layer costs what the analytic count says at its own (reduced) length:
+    the score products shrink quadratically."""
+    model = reduce(_eager(name))
+    family = FAMILIES[name]
+    backbone = family.backbone_attr
+    attention = [i for i, k in enumerate(family.kinds(model.config)) if k == "attention"]
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        out = model(prompt(30), use_cache=False)
+    counts = counter.get_flop_counts()
+    M = out.kept_positions.shape[1]
+    assert M < 30
+    for i in attention:
+        key = next(k for k in counts if k.endswith(f"{backbone}.layers.{i}"))
+        assert sum(counts[key].values()) == layer_flops(model.config, M, 1, layer=i).matmul
+    with pytest.raises(ValueError, match="pass layer=<block index>"):
+        layer_flops(model.config, M)
+
+
+# ----------------------------------------------------------------------------- command line, random models
+
+
+@pytest.mark.parametrize("name", HYBRIDS)
+def test_schedule_command_prints_layer_types_and_anchor_types(name, capsys):
+    assert main(["schedule", "--model", f"random:{name}-tiny", "--flops-reduction", "0.2", "--length", "2048",
+                 "--json"]) == 0
+    row = json.loads(capsys.readouterr().out)
+    kinds = list(FAMILIES[name].kinds(random_config(f"{name}-tiny")))
+    assert row["layer_types"] == kinds and "attention" in kinds
+    assert row["anchor_types"] == ["ssm"] * len(row["anchors"]) and row["anchors"]
+    assert row["flops_reduction_exact_scoring"] == pytest.approx(0.2, abs=0.01)  # the solver weighs the layers
+
+
+def test_bench_reports_the_kv_cache_a_reduced_prefill_keeps():
+    result = run_bench("random:granitemoehybrid-tiny", length=64, flops=(0.3,), repeats=1, warmup=0,
+                       decode_tokens=2, progress=False)
+    dense, reduced = result["rows"]
+    assert dense["kv_cache_mib"] > reduced["kv_cache_mib"] > 0 and reduced["kv_cache_saving"] > 0.1
+    assert reduced["flops_reduction_exact"] > 0.1 and "KV cache" in format_table(result)
+
+
+@pytest.mark.parametrize("name", HYBRIDS)
+def test_from_pretrained_with_token_reduction(name, tmp_path):
+    hybrid_model(name).save_pretrained(tmp_path)
+    cfg = TokenReductionConfig(keep_ratio=0.7, anchors=ssm_layers(hybrid_model(name))[:2])
+    for loader in (getattr(transformers, FAMILIES[name].lm_class), transformers.AutoModelForCausalLM):
+        model = loader.from_pretrained(tmp_path, token_reduction=cfg).eval()
+        assert type(model).__name__ == FAMILIES[name].lm_class
+        with torch.no_grad():
+            assert len(model(prompt(24)).plans) == 2
+    model.save_pretrained(tmp_path / "reduced")
+    assert transformers.AutoConfig.from_pretrained(tmp_path / "reduced").token_reduction["anchors"] == list(cfg.anchors)
+    attention = FAMILIES[name].kinds(model.config).index("attention")
+    with pytest.raises(ValueError, match="not SSM layers"):
+        loader.from_pretrained(tmp_path, token_reduction=TokenReductionConfig(keep_ratio=0.7, anchors=[attention]))
