@@ -312,3 +312,18 @@ def test_from_pretrained_with_token_reduction(name, tmp_path):
     attention = FAMILIES[name].kinds(model.config).index("attention")
     with pytest.raises(ValueError, match="not SSM layers"):
         loader.from_pretrained(tmp_path, token_reduction=TokenReductionConfig(keep_ratio=0.7, anchors=[attention]))
+
+
+@pytest.mark.parametrize("name", HYBRIDS)
+def test_model_card_figures_use_the_hybrid_schedule(name):
+    """The variant card's analytic figures resolve the schedule as the model does (anchors on SSM layers, a FLOPs
+    target met by the layer-weighted count), not the pure-Mamba rule."""
+    from hf_tokred.hub.card import analytic_flops
+
+    config = random_config(f"{name}-tiny")
+    cfg = TokenReductionConfig(flops_reduction=0.2)
+    card = analytic_flops(config, cfg)
+    schedule = resolve_schedule(cfg, config)
+    kinds = FAMILIES[name].kinds(config)
+    assert card["anchors"] == list(schedule.anchors) and all(kinds[a] == "ssm" for a in card["anchors"])
+    assert card["keep_ratio"] == schedule.keep_ratio

@@ -19,6 +19,7 @@ from ..config import METHODS, TokenReductionConfig, setting_text
 from ..evaluation.results import format_row
 from ..families import FAMILIES
 from ..flops import flops_reduction, measured_proxy_reduction
+from ..settings import resolve_schedule
 from ..version import __version__
 from .base import is_hub_id, special_spec
 
@@ -31,7 +32,7 @@ DEFAULT_FLOPS_LENGTH = 2048
 def analytic_flops(config: Any, token_reduction: Any, length: int = DEFAULT_FLOPS_LENGTH) -> dict[str, Any]:
     """Analytic FLOPs figures of a schedule on one ``length``-token sequence (from the config alone, no model run)."""
     cfg = TokenReductionConfig.coerce(token_reduction)
-    schedule = cfg.resolve(config.num_hidden_layers)
+    schedule = resolve_schedule(cfg, config)  # a hybrid's anchors sit on its SSM layers
     lengths = schedule.layer_lengths(length)
     return {
         "length": length,
