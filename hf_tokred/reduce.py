@@ -139,10 +139,9 @@ def _flat(idx: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def _take(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """Gather rows of ``x [g, n, ...]`` along dim 1 with ``idx [g, k]``."""
-    if x.dim() == 2:
-        return x.gather(1, idx)
-    g, n = x.shape[:2]  # whole rows: index_select, not a gather per element
+    """Gather rows of ``x [g, n, ...]`` along dim 1 with ``idx [g, k]`` (whole rows: one index_select, not a
+    gather per element)."""
+    g, n = x.shape[:2]
     return x.reshape(g * n, *x.shape[2:]).index_select(0, _flat(idx, n).reshape(-1)).view(*idx.shape, *x.shape[2:])
 
 
