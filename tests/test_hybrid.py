@@ -327,3 +327,14 @@ def test_model_card_figures_use_the_hybrid_schedule(name):
     kinds = FAMILIES[name].kinds(config)
     assert card["anchors"] == list(schedule.anchors) and all(kinds[a] == "ssm" for a in card["anchors"])
     assert card["keep_ratio"] == schedule.keep_ratio
+
+
+def test_default_anchors_snap_to_ssm_layers_by_hand():
+    """``ssm_anchors``: each anchor moves to the last SSM layer at or before it; anchors with none before them,
+    duplicates and the last block (nothing after it to save) are dropped (hand-computed)."""
+    from hf_tokred.schedule import ssm_anchors
+
+    ssm = [1, 2, 4, 7]
+    assert ssm_anchors([0, 2, 3, 5, 7], ssm, 8) == (2, 4)  # 0: no SSM layer before; 2, 3 -> 2; 7 is the last block
+    assert ssm_anchors([0, 2, 3, 5, 7], ssm, 9) == (2, 4, 7)  # block 7 of 9 has one block after it
+    assert ssm_anchors([6], ssm, 10) == (4,)
