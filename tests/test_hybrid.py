@@ -338,3 +338,16 @@ def test_default_anchors_snap_to_ssm_layers_by_hand():
     assert ssm_anchors([0, 2, 3, 5, 7], ssm, 8) == (2, 4)  # 0: no SSM layer before; 2, 3 -> 2; 7 is the last block
     assert ssm_anchors([0, 2, 3, 5, 7], ssm, 9) == (2, 4, 7)  # block 7 of 9 has one block after it
     assert ssm_anchors([6], ssm, 10) == (4,)
+
+
+def test_the_largest_reachable_target_is_accepted_and_one_beyond_is_refused():
+    """``solve_keep_ratio`` at its edge: exactly the reduction of the minimum keep ratio (and that plus float noise)
+    solves to the minimum keep ratio; a target 1e-9 beyond it is refused, naming the reachable maximum."""
+    from hf_tokred.schedule import schedule_reduction, solve_keep_ratio
+
+    for costs in (None, [(1.0, 0.5)] * 12):
+        reach = schedule_reduction(12, [2, 5], 0.5, costs)
+        for target in (reach, reach + 1e-13):
+            assert solve_keep_ratio(12, [2, 5], target, 0.5, costs) == pytest.approx(0.5, abs=1e-9)
+        with pytest.raises(ValueError, match="not reachable"):
+            solve_keep_ratio(12, [2, 5], reach + 1e-9, 0.5, costs)
