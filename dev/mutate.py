@@ -207,6 +207,8 @@ EQUIVALENT: dict[str, str] = {
         "the block end past m slices the same rows (one bigger block: memory differs, results do not)",
     "reduce:R = int(r.max()) if r.numel() else 0:35:0->1":
         "only for an empty batch, where a width of 1 selects nothing either (the validity mask is empty)",
+    "schedule:if flops_reduction > reachable + 1e-12::19:>->>=":
+        "differs only for a target exactly 1e-12 above the reachable maximum, inside the tolerance's own rounding",
     "schedule:for _ in range(100)::15:100->101": "the bisection has converged to float precision long before",
     "schedule:for _ in range(100)::15:100->99": "the bisection has converged to float precision long before",
     "schedule:if schedule_reduction(num_hidden_layers, anchors, mid, layer_costs) > flops_reduction::68:>->>=":
