@@ -35,7 +35,7 @@ from hf_tokred.reduce import make_plan
 
 import conftest
 from conftest import STOCK, VOCAB, stock_forward, stock_transformers
-from test_flops import DispatchCount
+from test_flops import DispatchCount, region_hooks
 
 # ----------------------------------------------------------------------------- stock Falcon Mamba for the references
 
@@ -195,13 +195,8 @@ def test_every_flops_term_equals_the_dispatched_ops(use_bias, use_conv_bias):
     """As ``test_flops.test_every_term_equals_the_dispatched_ops``, on Falcon Mamba's stock forward."""
     lengths, head_positions, B = [20, 12, 5], 4, 2
     model = _flops_model(layers=3, use_bias=use_bias, use_conv_bias=use_conv_bias)
-    counter, hooks = DispatchCount(), []
-    for name, module in model.named_modules():
-        region = ("lm_head" if name == "lm_head" else "proj" if isinstance(module, torch.nn.Linear)
-                  else "norm" if "RMSNorm" in type(module).__name__ else "mixer" if name.endswith("mixer") else None)
-        if region is not None:
-            hooks.append(module.register_forward_pre_hook(lambda m, a, r=region: counter.region.append(r) and None))
-            hooks.append(module.register_forward_hook(lambda m, a, o: counter.region.pop() and None))
+    counter = DispatchCount()
+    hooks = region_hooks(model, counter)
     ids = torch.randint(0, 256, (B, max(lengths)))
     try:
         with torch.no_grad(), stock_transformers(), pytest.MonkeyPatch.context() as mp:

@@ -302,9 +302,9 @@ class DispatchCount(TorchDispatchMode):
         return wrapper
 
 
-def _dispatched(model, lengths, head_positions):
-    """Run stock transformers' blocks on per-layer prefixes (as a reduction schedule would) and count."""
-    counter = DispatchCount()
+def region_hooks(model, counter: DispatchCount) -> list:
+    """Tag the ops each module dispatches with its region (LM head, linears, norms, the rest of the mixer);
+    returns the hook handles to remove."""
     hooks = []
     for name, module in model.named_modules():
         region = ("lm_head" if name == "lm_head" else "proj" if isinstance(module, torch.nn.Linear)
@@ -312,6 +312,13 @@ def _dispatched(model, lengths, head_positions):
         if region is not None:
             hooks.append(module.register_forward_pre_hook(lambda m, a, r=region: counter.region.append(r) and None))
             hooks.append(module.register_forward_hook(lambda m, a, o: counter.region.pop() and None))
+    return hooks
+
+
+def _dispatched(model, lengths, head_positions):
+    """Run stock transformers' blocks on per-layer prefixes (as a reduction schedule would) and count."""
+    counter = DispatchCount()
+    hooks = region_hooks(model, counter)
     family = modeling_mamba if model.config.model_type == "mamba" else modeling_mamba2
     scan_name = "mamba_selective_scan" if model.config.model_type == "mamba" else "mamba2_chunk_scan"
     input_ids = torch.randint(0, model.config.vocab_size, (BATCH, max(lengths)))
