@@ -84,18 +84,19 @@ def mamba2_mixer_flops(d: int, D: int, H: int, P: int, G: int, N: int, K: int, Q
                           lm_head=0, elementwise=proj_ew + conv_ew + scan_ew + norm)
 
 
-def attention_flops(d: int, heads: int, kv_heads: int, head_dim: int, bias: bool, rotary: bool, L: int, S: int,
+def attention_flops(d: int, heads: int, kv_heads: int, head_dim: int, bias: bool, rotary_dim: int, L: int, S: int,
                     B: int) -> FlopsBreakdown:
     """Grouped-query attention of ``L`` queries over ``S`` keys/values (``B`` sequences): the q/k/v/o projections,
-    both score products over the whole ``L x S`` matrix, the score scaling and mask add, and (``rotary``) the
-    rotary embedding of queries and keys (``q*cos + rotate(q)*sin``: 3 FLOPs per element)."""
+    both score products over the whole ``L x S`` matrix, the score scaling and mask add, and the rotary embedding of
+    the first ``rotary_dim`` channels of each query and key head (``q*cos + rotate(q)*sin``: 3 FLOPs per element;
+    ``rotary_dim=0``: no positions in attention)."""
     tokens = B * L
     q_dim, kv_dim = heads * head_dim, kv_heads * head_dim
     proj_mm = 2 * tokens * (d * q_dim + 2 * d * kv_dim + q_dim * d)
     proj_ew = tokens * (q_dim + 2 * kv_dim + d) if bias else 0
     scores_mm = 2 * 2 * B * heads * L * S * head_dim
     scores_ew = 2 * B * heads * L * S
-    rope = 3 * tokens * (q_dim + kv_dim) if rotary else 0
+    rope = 3 * tokens * (heads + kv_heads) * rotary_dim
     return FlopsBreakdown(projections=proj_mm + proj_ew, conv=0, scan=0, norm=0, lm_head=0,
                           attention=scores_mm + scores_ew + rope, elementwise=proj_ew + scores_ew + rope)
 

@@ -121,10 +121,19 @@ def hybrid_layer_kinds(config: Any) -> tuple[str, ...]:
     return tuple(_KINDS[n] for n in names)
 
 
+def _rotary_dim(config: Any, head_dim: int) -> int:
+    """Channels of each head the rotary embedding rotates: ``head_dim * partial_rotary_factor`` (Bamba: 0.5), as
+    the even number of channels its inverse frequencies ``arange(0, dim, 2)`` cover."""
+    factor = (getattr(config, "rope_parameters", None) or {}).get(
+        "partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
+    return 2 * len(range(0, int(head_dim * factor), 2))
+
+
 def _attention(config: Any, L: int, B: int, rotary: bool, bias: bool) -> FlopsBreakdown:
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return attention_flops(config.hidden_size, heads, config.num_key_value_heads, head_dim, bias, rotary, L, L, B)
+    rotary_dim = _rotary_dim(config, head_dim) if rotary else 0
+    return attention_flops(config.hidden_size, heads, config.num_key_value_heads, head_dim, bias, rotary_dim, L, L, B)
 
 
 def _granite_mamba2(config: Any, L: int, B: int) -> FlopsBreakdown:
@@ -177,9 +186,10 @@ def nemotron_h_layer_flops(config: Any, L: int, B: int, layer: int) -> FlopsBrea
                            config.num_experts_per_tok, False, tokens)
                  + mlp_flops(d, config.moe_shared_expert_intermediate_size, False, config.mlp_bias, tokens)
                  + FlopsBreakdown(0, 0, 0, 0, 0, mlp=tokens * d, elementwise=tokens * d))  # experts + shared
-        if latent:  # the router reads d, not the latent width; the latent projections in and out
+        if latent:  # the router reads d, not the latent width; the latent projections in and out (+ biases)
+            bias = tokens * (latent + d) if config.mlp_bias else 0
             mixer = mixer + FlopsBreakdown(0, 0, 0, 0, 0, mlp=2 * tokens * config.n_routed_experts * (d - latent)
-                                           + 2 * 2 * tokens * d * latent)
+                                           + 2 * 2 * tokens * d * latent + bias, elementwise=bias)
     return mixer + _pre_norm_residual(d, tokens)
 
 

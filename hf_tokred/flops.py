@@ -42,8 +42,11 @@ Conventions (all counts are for the whole batch):
   then RMSNorm).
 * ``lm_head``: ``2*B*P*d*V`` for ``P = lm_head_positions`` positions.
 * Hybrids (:mod:`hf_tokred.blocks`): ``attention`` counts both score products over the whole ``L x L`` matrix
-  of a block's real length (quadratic), plus the score scaling and mask add and the rotary embedding; ``mlp``
-  counts feed-forward layers and, for a mixture of experts, the router and each token's active experts only.
+  of a block's real length (quadratic), plus the score scaling and mask add and the rotary embedding of the
+  rotated channels (``partial_rotary_factor``: Bamba rotates half of each head); ``mlp`` counts feed-forward
+  layers and, for a mixture of experts, the router's matmul and each token's active experts only (the router's
+  top-k bookkeeping and integer routing masks are free; activation functions, ReLU^2's square included, are
+  free like ``silu``).
 
 ``FlopsBreakdown.matmul`` is the part made of linear / matmul / bmm / einsum / conv kernels,
 i.e. what ``FlopCounterMode`` counts for the stock eager forward.

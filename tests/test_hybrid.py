@@ -9,6 +9,7 @@ and ``FlopCounterMode`` for the FLOPs.
 
 import json
 import types
+from collections import Counter
 
 import pytest
 import torch
@@ -24,6 +25,8 @@ from hf_tokred.flops import flops_reduction, layer_flops, model_flops
 from hf_tokred.loop import generation_prompt
 from hf_tokred.models import random_config
 from hf_tokred.settings import apply_token_reduction, resolve_schedule
+
+from test_flops import DispatchCount
 
 HYBRIDS = ["bamba", "granitemoehybrid", "nemotron_h"]
 ATOL = 1e-5
@@ -239,8 +242,8 @@ def test_left_padded_batch_equals_one_at_a_time(model):
 # ----------------------------------------------------------------------------- FLOPs
 
 
-def _eager(name: str):
-    model = hybrid_model(name)
+def _eager(name: str, **config_kw):
+    model = hybrid_model(name, **config_kw)
     model.config._attn_implementation_internal = "eager"  # sdpa on CPU is invisible to FlopCounterMode
     model.config._experts_implementation_internal = "eager"  # the per-expert loop: active experts only
     return model
@@ -274,6 +277,80 @@ def test_attention_flops_at_each_layers_reduced_length(name):
         assert sum(counts[key].values()) == layer_flops(model.config, M, 1, layer=i).matmul
     with pytest.raises(ValueError, match="pass layer=<block index>"):
         layer_flops(model.config, M)
+
+
+# ----------------------------------------------------------------------------- every term, against the dispatched ops
+
+# Free by the FLOPs conventions (hf_tokred.flops): activation functions (ReLU^2's square included) and the router's
+# top-k bookkeeping (its matmul is counted); every other element-wise op a layer dispatches is counted.
+_FREE = {"act_fn", "activation", "act", "router", "gate"}
+
+
+class _LayerDispatch(DispatchCount):
+    """:class:`test_flops.DispatchCount` plus the ops the hybrids' feed-forward layers use: ``index_add_`` adds its
+    source (one FLOP per source element); integer arithmetic (the experts' routing masks) is not FLOPs; an
+    RMSNorm's ``+ eps`` (an add of a Python number) is kept apart."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._overloadpacket.__name__
+        if isinstance(args[0], torch.Tensor) and not args[0].is_floating_point():
+            return func(*args, **(kwargs or {}))
+        if name in ("index_add", "index_add_"):
+            self.flops[self.region[-1], "ew"] += args[3].numel()
+            return func(*args, **(kwargs or {}))
+        if name == "add" and self.region[-1] == "norm" and not isinstance(args[1], torch.Tensor):
+            self.flops["norm", "eps"] += args[0].numel()
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def _dispatched_per_layer(model, L: int, B: int) -> list:
+    counter = _LayerDispatch()
+    layers = getattr(model, FAMILIES[model.config.model_type].backbone_attr).layers
+    snapshots, hooks = [], []
+    for i, layer in enumerate(layers):
+        for name, module in layer.named_modules():
+            last = name.rsplit(".", 1)[-1]
+            region = "free" if last in _FREE else "norm" if "RMSNorm" in type(module).__name__ else None
+            if region is not None:
+                hooks.append(module.register_forward_pre_hook(lambda m, a, r=region: counter.region.append(r) and None))
+                hooks.append(module.register_forward_hook(lambda m, a, o: counter.region.pop() and None))
+        hooks.append(layer.register_forward_pre_hook(lambda m, a: snapshots.append(Counter(counter.flops)) and None))
+        hooks.append(layer.register_forward_hook(lambda m, a, o: snapshots.append(Counter(counter.flops)) and None))
+    try:
+        with torch.no_grad(), counter:
+            model(prompt(L, batch=B), use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    return [snapshots[2 * i + 1] - snapshots[2 * i] for i in range(len(layers))]
+
+
+@pytest.mark.parametrize("name, overrides", [
+    ("bamba", {}),
+    ("bamba", dict(attention_bias=True, mlp_bias=True, mamba_proj_bias=True, mamba_conv_bias=False)),
+    ("granitemoehybrid", {}),
+    ("granitemoehybrid", dict(attention_bias=True, position_embedding_type=None, num_local_experts=0)),
+    ("nemotron_h", {}),
+    ("nemotron_h", dict(mlp_bias=True, use_bias=True, use_conv_bias=False, moe_latent_size=16)),
+], ids=["bamba", "bamba-biases", "granite", "granite-nope-biases-no-moe", "nemotron_h", "nemotron_h-biases-latent"])
+@pytest.mark.parametrize("L", [12, 40])  # one Mamba-2 chunk, and two
+def test_every_term_equals_the_dispatched_ops(name, overrides, L):
+    """Each layer's analytic count, matmul and element-wise parts, equals what stock transformers' eager forward of
+    that layer dispatches (tolerance 0): attention's bias adds, score scaling, mask add and rotary embedding (Bamba
+    rotates half of each head), MLP / MoE products and sums, norms, residuals, and the Mamba-2 mixers."""
+    model = _eager(name, **overrides)
+    B = 2
+    kinds = FAMILIES[name].kinds(model.config)
+    for i, got in enumerate(_dispatched_per_layer(model, L, B)):
+        analytic = layer_flops(model.config, L, B, layer=i)
+        mm = sum(v for (region, kind), v in got.items() if kind == "mm")
+        ew = sum(v for (region, kind), v in got.items() if kind in ("ew", "bias") and region != "free")
+        assert got["norm", "eps"] > 0 and mm > 0 and ew > 0
+        assert (analytic.matmul, analytic.elementwise) == (mm, ew), (i, kinds[i])
+    if "attention_bias" in overrides:  # the variant's bias adds are dispatched (so the check above sees them)
+        attention = kinds.index("attention")
+        assert _dispatched_per_layer(model, L, B)[attention]["block", "bias"] > 0
 
 
 # ----------------------------------------------------------------------------- command line, random models
