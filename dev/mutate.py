@@ -209,6 +209,23 @@ EQUIVALENT: dict[str, str] = {
         "the block end past m slices the same rows (one bigger block: memory differs, results do not)",
     "reduce:R = int(r.max()) if r.numel() else 0:35:0->1":
         "only for an empty batch, where a width of 1 selects nothing either (the validity mask is empty)",
+    "reduce:if h.shape[1] < 2 or int(r.max()) == 0::16:2->1":
+        "a shortcut: a row of one token has r = 0 (nothing can be removed from it), and every selector returns an "
+        "empty selection for r = 0 by itself",
+    "reduce:if h.shape[1] < 2 or int(r.max()) == 0::18:or->and":
+        "the same shortcut: fewer than two tokens implies r = 0, and r = 0 selects nothing in every selector",
+    "reduce:keep = torch.sort(torch.where(kept, ar, -1), dim=1).values[:, N - M :]:41:1->2":
+        "the sentinel of a removed column only has to sort below every position: -2 does as -1 does",
+    "loop:if plan is not None and prefix < h.shape[1]::31:<-><=":
+        "extending a plan to its own length appends an empty tail: the same plan",
+    "loop:last = torch.where(in_prompt, ar, -1).max(1).values:34:-->+":
+        "differs only for a row whose only real prompt token is at position 0 (or that has none): such a row has "
+        "nothing to reduce, so what it protects changes nothing",
+    "loop:last = torch.where(in_prompt, ar, -1).max(1).values:35:1->2":
+        "any negative sentinel is below every position: -2 does as -1 does",
+    "loop:last = torch.where(in_prompt, ar, -1).max(1).values:35:1->0":
+        "a sentinel of 0 changes the maximum only for a row without real prompt tokens, where position 0 is not "
+        "real, so nothing more is protected",
     "schedule:if flops_reduction > reachable + 1e-12::19:>->>=":
         "differs only for a target exactly 1e-12 above the reachable maximum, inside the tolerance's own rounding",
     "schedule:for _ in range(100)::15:100->101": "the bisection has converged to float precision long before",

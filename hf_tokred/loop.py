@@ -73,7 +73,7 @@ def check_shapes(B: int, N: int, labels, attention_mask) -> None:
 def _protected_for(mask: torch.Tensor, B: int, prefix: int, N: int) -> torch.Tensor:
     """A caller's ``protected_mask [b, prefix]`` as ``[B, N]`` bool: rows repeated when generate expanded the batch
     (beams, ``num_return_sequences``), columns after the prompt False."""
-    if mask.dim() != 2 or mask.shape[1] != prefix or B % max(mask.shape[0], 1):
+    if mask.dim() != 2 or mask.shape[1] != prefix or mask.shape[0] == 0 or B % mask.shape[0]:
         raise ValueError(f"protected_mask must have shape (batch, sequence) = {(B, prefix)}, got {tuple(mask.shape)}")
     mask = mask.to(torch.bool).repeat_interleave(B // mask.shape[0], dim=0)
     return F.pad(mask, (0, N - prefix), value=False)

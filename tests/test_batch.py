@@ -88,6 +88,25 @@ def test_row_in_batch_equals_row_alone(m4, method, side):
 
 
 @pytest.mark.parametrize("side", ["left", "right"])
+def test_protect_recent_keeps_each_rows_own_most_recent_tokens(m4, side):
+    """``protect_recent``: in a padded batch of rows of different lengths, every row keeps its own most recent
+    ``ceil(share * length)`` tokens through every anchor (counted by hand from the row's length), and equals the
+    row alone."""
+    share = 0.3
+    reduce_(m4, method="evit", protect_recent=share)
+    rows = random_rows(3, (20, 13, 7))
+    ids, mask = pad_rows(rows, side, width=22)
+    with torch.no_grad():
+        out = m4(ids, attention_mask=mask)
+        for b, row in enumerate(rows):
+            real = mask[b].nonzero().flatten()
+            recent = set(real[len(row) - math.ceil(share * len(row)):].tolist())
+            assert recent <= set(kept_positions(out, b)), (b, side)
+            assert_close_where_computed(out.logits[b, real], m4(row[None]).logits[0], what=f"{side} row {b}")
+    assert any(int(p.keep_mask[0].sum()) < 20 for _, p in out.plans)  # the longest row was reduced
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
 def test_loss_is_batch_invariant(m4, side):
     """A row's loss is the same alone and in a batch (other rows unlabelled), and the batch loss is the
     token-weighted mean of the rows' losses."""

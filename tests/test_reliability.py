@@ -110,6 +110,15 @@ def test_attention_mask_of_another_shape_is_refused(model, shape):
         model(rows(3, 2, 30), attention_mask=torch.ones(shape, dtype=torch.long))
 
 
+@pytest.mark.parametrize("batch", [3, 0])
+def test_protected_mask_of_another_batch_is_refused(model, batch):
+    """A protected_mask row count that does not divide the batch (generate's beams / return sequences repeat rows
+    only by a whole factor) is an error naming the argument, not a broadcast."""
+    hf_tokred.apply_token_reduction(model, TokenReductionConfig(keep_ratio=0.6, anchors=[1, 3]))
+    with pytest.raises(ValueError, match="protected_mask must have shape"):
+        model(rows(3, 4, 30), protected_mask=torch.ones(batch, 30, dtype=torch.bool))
+
+
 # ----------------------------------------------------------------------------- 3. generate without a cache
 
 
