@@ -216,6 +216,11 @@ EQUIVALENT: dict[str, str] = {
         "the same shortcut: fewer than two tokens implies r = 0, and r = 0 selects nothing in every selector",
     "reduce:keep = torch.sort(torch.where(kept, ar, -1), dim=1).values[:, N - M :]:41:1->2":
         "the sentinel of a removed column only has to sort below every position: -2 does as -1 does",
+    "reduce:slot_of = torch.full((B, N), -1, dtype=torch.long, device=device):30:1->2":
+        "the fill of a column without a slot only has to be negative: clamp_min(0) maps -2 as it maps -1",
+    "loop:protected = reduce_along(protected, plan, False):42:False->True":
+        "what a padding slot's protection says is never read: make_plan reads protection at real positions only "
+        "(rows are gathered at their real columns) and the protection of kept columns is carried unchanged",
     "loop:if plan is not None and prefix < h.shape[1]::31:<-><=":
         "extending a plan to its own length appends an empty tail: the same plan",
     "loop:last = torch.where(in_prompt, ar, -1).max(1).values:34:-->+":

@@ -272,7 +272,7 @@ def reduced_backbone(backbone, cfg: TokenReductionConfig, schedule: ResolvedSche
     hidden = getattr(backbone, family.final_norm_attr)(hidden)
     if output_hidden_states:
         all_hidden += (hidden,)
-    if family.hybrid and use_cache:
+    if family.hybrid:  # a cache passed with use_cache=False is still written by the layers, as in stock
         note_seen(cache, N, fresh)
     if record is not None:
         record.input_lengths = lengths[0].tolist()

@@ -100,6 +100,15 @@ def test_evit_allows_removing_more_than_half():
     assert TokenReductionConfig(method="evit", keep_ratio=0.3).keep_ratio == 0.3
 
 
+@pytest.mark.parametrize("method, keep_ratio, interval", [
+    ("evit", 0.0, r"\(0, 1\], got 0.0"), ("evit", 1.5, r"\(0, 1\], got 1.5"),  # removal only: any share
+    ("utrc", 0.4, r"\[0.5, 1\] \(method 'utrc' pairs"),  # pairs: an anchor removes at most half
+])
+def test_keep_ratio_error_states_the_methods_own_interval(method, keep_ratio, interval):
+    with pytest.raises(ValueError, match=f"keep_ratio must be in {interval}"):
+        TokenReductionConfig(method=method, keep_ratio=keep_ratio)
+
+
 def test_bad_schedules_for_a_depth():
     with pytest.raises(ValueError, match="reach outside a 6-layer model"):
         TokenReductionConfig(anchors=[2, 6], keep_ratio=0.9).resolve(6)

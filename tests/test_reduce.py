@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from hf_tokred.reduce import Plan, apply_plan, apply_plan_pair, importance, make_plan, num_to_remove, select
+from hf_tokred.reduce import (Plan, apply_plan, apply_plan_pair, extend_plan, importance, make_plan, num_to_remove,
+                              select)
 
 from slow_reference import documented_merge_count, documented_num_to_remove
 
@@ -492,3 +493,24 @@ def test_receive_false_is_refused_where_the_selection_has_no_rule_for_it(selecti
     with pytest.raises(ValueError, match="receive=False"):
         make_plan(h, torch.ones(1, 8, dtype=torch.bool), torch.zeros(1, 8, dtype=torch.bool), 0.5, selection,
                   "clip", True, receive=False)
+
+
+def test_extend_plan_keeps_the_tail_columns_after_the_reduced_prefix():
+    """A plan made on the first ``prefix`` columns, extended to ``length``: by hand, the extended keep indices are
+    the plan's followed by ``prefix .. length-1`` in every row, all valid, and applying it equals applying the plan
+    to the prefix and appending the tail unchanged (two rows of different lengths: a padded batch)."""
+    torch.manual_seed(0)
+    B, prefix, length, D = 2, 9, 13, 4
+    h = torch.randn(B, length, D)
+    mask = torch.ones(B, prefix, dtype=torch.bool)
+    mask[1, :3] = False  # left padding in row 1
+    protected = torch.zeros(B, prefix, dtype=torch.bool)
+    plan = make_plan(h[:, :prefix], mask, protected, 0.6, "importance_similarity", "l2", True)
+    ext = extend_plan(plan, prefix, length)
+    tail = torch.tensor([[9, 10, 11, 12], [9, 10, 11, 12]])
+    assert torch.equal(ext.keep, torch.cat([plan.keep, tail], 1))
+    assert torch.equal(ext.keep_mask, torch.cat([plan.keep_mask, torch.ones(B, 4, dtype=torch.bool)], 1))
+    assert torch.equal(ext.src, plan.src) and torch.equal(ext.dst_slot, plan.dst_slot)
+    got = apply_plan(h, ext, "merge", 0.5)
+    want = torch.cat([apply_plan(h[:, :prefix], plan, "merge", 0.5), h[:, prefix:]], 1)
+    assert torch.equal(got, want)

@@ -119,6 +119,26 @@ def test_protected_mask_of_another_batch_is_refused(model, batch):
         model(rows(3, 4, 30), protected_mask=torch.ones(batch, 30, dtype=torch.bool))
 
 
+def test_gradient_checkpointing_in_training_builds_no_cache_like_stock(family):
+    """As in stock transformers, training with gradient checkpointing turns ``use_cache`` off: a reducing forward
+    returns no cache, and its loss and gradients equal the same forward without checkpointing."""
+    model = tiny_model(family, layers=4)
+    hf_tokred.apply_token_reduction(model, TokenReductionConfig(keep_ratio=0.6, anchors=[1, 2]))
+    ids = rows(5, 2, 24)
+    model.train()
+    plain = model(ids, labels=ids, use_cache=False)
+    plain.loss.backward()
+    want = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    model.gradient_checkpointing_enable()
+    out = model(ids, labels=ids, use_cache=True)
+    assert getattr(out, "cache_params", None) is None and getattr(out, "past_key_values", None) is None
+    out.loss.backward()
+    assert torch.allclose(out.loss, plain.loss, atol=ATOL, rtol=0)
+    for p, g in zip(model.parameters(), want):
+        assert torch.allclose(p.grad, g, atol=ATOL, rtol=1e-4)
+
+
 # ----------------------------------------------------------------------------- 3. generate without a cache
 
 
@@ -156,6 +176,25 @@ def test_generate_takes_protected_mask_for_the_prompt(family):
     assert all(set(range(6)) <= set(k) for k in guarded[0].kept_positions)  # beams repeat the rows: all kept
     with pytest.raises(ValueError, match="protected_mask must have the prompt's shape"):
         model.generate(ids, max_new_tokens=2, protected_mask=protect[:, :5])
+
+
+def test_record_of_a_padded_batch_reduced_after_the_first_block(family):
+    """``record_reduction`` with an anchor on block 0: the input lengths are each row's real tokens (counted from
+    the mask by hand), block 0 computes all of them, the next block the row's kept tokens, and the kept positions
+    are real input positions."""
+    model = tiny_model(family, layers=4)
+    hf_tokred.apply_token_reduction(model, TokenReductionConfig(method="evit", keep_ratio=0.5, anchors=[0, 2]))
+    ids = rows(6, 3, 20)
+    mask = torch.ones_like(ids)
+    mask[1, :7], mask[2, :15] = 0, 0  # left padding: 20, 13 and 5 real tokens
+    with torch.no_grad(), hf_tokred.record_reduction() as records:
+        model(ids, attention_mask=mask)
+    (record,) = records
+    assert record.input_lengths == [20, 13, 5] and record.anchors == [0, 2]
+    assert [row[0] for row in record.layer_lengths] == [20, 13, 5]
+    assert [row[1] for row in record.layer_lengths] == [10, 7, 3]  # ceil(0.5 * n) kept after block 0
+    for b, kept in enumerate(record.kept_positions):
+        assert set(kept) <= set(mask[b].nonzero().flatten().tolist())
 
 
 # ----------------------------------------------------------------------------- 4. assigning the settings object
