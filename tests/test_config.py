@@ -123,3 +123,13 @@ def test_unknown_keys_in_a_saved_block_are_rejected():
         TokenReductionConfig.from_dict({"method": "utrc", "ratio": 0.9})
     with pytest.raises(TypeError, match="dict"):
         TokenReductionConfig.coerce([("method", "utrc")])
+
+
+def test_explicit_anchors_must_sit_on_the_ssm_layers_of_a_hybrid():
+    """``resolve(..., ssm_layers=...)``: an explicit anchor on a non-SSM layer is refused naming it and the SSM
+    layers; anchors all on SSM layers resolve as given; pure models (no ``ssm_layers``) take any layer."""
+    ssm = [0, 1, 3, 4, 5, 7]
+    with pytest.raises(ValueError, match=r"layer\(s\) \[2\] of this hybrid model are not SSM layers.*\[0, 1, 3, 4, 5, 7\]"):
+        TokenReductionConfig(keep_ratio=0.9, anchors=[1, 2]).resolve(8, ssm_layers=ssm)
+    assert TokenReductionConfig(keep_ratio=0.9, anchors=[1, 3]).resolve(8, ssm_layers=ssm).anchors == (1, 3)
+    assert TokenReductionConfig(keep_ratio=0.9, anchors=[1, 2]).resolve(8).anchors == (1, 2)

@@ -399,3 +399,13 @@ def test_mamba1_scan_convention_is_what_the_docstring_enumerates_plus_two():
     per_scan = got["scan", "mm"] + got["scan", "ew"]
     assert per_scan == 2 * (7 * B * L * D * N + 3 * B * L * D)  # 2 layers: + D skip (2 BLD), gate (BLD)
     assert layer_flops(config, L, B).scan == 9 * B * L * D * N + 3 * B * L * D
+
+
+@pytest.mark.parametrize("make_config", [_mamba1_config, _mamba2_config])
+def test_layer_zero_of_a_pure_model_is_its_every_layer(make_config):
+    """Pure families: every layer costs the same, ``layer=0`` (the first block) included; a negative layer is
+    refused."""
+    config = make_config()
+    assert layer_flops(config, 17, 2, layer=0) == layer_flops(config, 17, 2) == layer_flops(config, 17, 2, layer=1)
+    with pytest.raises(ValueError, match="layer"):
+        layer_flops(config, 17, 2, layer=-1)
