@@ -153,7 +153,7 @@ def _anchor_block(block, family, hidden, cache, layer_mask, real, protected, cfg
         scores = None if delta is None else delta.get()[:, :prefix]
         plan = make_plan(h[:, :prefix].detach(), real[:, :prefix], protected[:, :prefix], keep_ratio, spec.selection,
                          metric, spec.pairs, scores, spec.protected_receive)
-        if plan is not None and prefix < h.shape[1]:
+        if plan is not None:  # the columns after the prompt are kept (none without them: the same plan)
             plan = extend_plan(plan, prefix, h.shape[1])
     if plan is None:
         out = residual + h

@@ -129,6 +129,13 @@ def test_flops_target_weighs_layer_types():
 # ----------------------------------------------------------------------------- keep ratio 1.0 = stock
 
 
+def test_keep_ratio_one_equals_stock_with_granites_multipliers():
+    """Granite 4.0 scales each residual branch, the embeddings and the logits: with multipliers other than 1 (real
+    checkpoints use e.g. 0.22 / 12 / 8), the anchor blocks split into branches still equal stock."""
+    test_keep_ratio_one_equals_stock(hybrid_model("granitemoehybrid", residual_multiplier=0.3, embedding_multiplier=2.0,
+                                                  logits_scaling=1.7))
+
+
 def test_keep_ratio_one_equals_stock(model):
     ids = prompt(20, batch=2)
     ref = stock(model, lambda: model(ids, labels=ids))
