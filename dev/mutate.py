@@ -221,6 +221,14 @@ EQUIVALENT: dict[str, str] = {
     "loop:protected = reduce_along(protected, plan, False):42:False->True":
         "what a padding slot's protection says is never read: make_plan reads protection at real positions only "
         "(rows are gathered at their real columns) and the protection of kept columns is carried unchanged",
+    "scan:n_chunks = math.ceil(length / min(chunk, length)):30:min->max":
+        "the chunk layout is a speed / memory choice: one chunk scans the same recurrence (padded steps have dt = 0 "
+        "and leave the state unchanged), equal up to float rounding",
+    "scan:chunk = math.ceil(length / n_chunks):25:/->*":
+        "an over-long chunk is one chunk plus padded steps with dt = 0, which leave the state unchanged: the same "
+        "recurrence, equal up to float rounding",
+    "forwards:shifted = F.pad(labels[:, 1:], (0, 1), value=-100).to(positions.device):35:1->2":
+        "a second -100 column past the end is never gathered (positions < N) and counts as unlabelled",
     "loop:last = torch.where(in_prompt, ar, -1).max(1).values:34:-->+":
         "differs only for a row whose only real prompt token is at position 0 (or that has none): such a row has "
         "nothing to reduce, so what it protects changes nothing",

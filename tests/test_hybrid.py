@@ -21,6 +21,7 @@ from hf_tokred import TokenReductionConfig
 from hf_tokred.bench import format_table, run_bench
 from hf_tokred.cli import main
 from hf_tokred.families import FAMILIES
+from hf_tokred.hybrid import default_positions, note_seen
 from hf_tokred.flops import flops_reduction, layer_flops, model_flops
 from hf_tokred.loop import generation_prompt
 from hf_tokred.models import random_config
@@ -284,6 +285,34 @@ def test_attention_flops_at_each_layers_reduced_length(name):
         assert sum(counts[key].values()) == layer_flops(model.config, M, 1, layer=i).matmul
     with pytest.raises(ValueError, match="pass layer=<block index>"):
         layer_flops(model.config, M)
+
+
+@pytest.mark.parametrize("name", HYBRIDS)
+def test_eager_and_sdpa_attention_agree_on_a_reduced_padded_batch(name):
+    """The reduced layers' mask in both forms (boolean for sdpa, additive for eager) masks the same columns."""
+    ids = prompt(24, batch=2)
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0
+    logits = []
+    for impl in ("sdpa", "eager"):
+        model = reduce(hybrid_model(name))
+        model.config._attn_implementation_internal = impl
+        with torch.no_grad():
+            out = model(ids, attention_mask=mask)
+        assert out.kept_positions.shape[1] < 24
+        logits.append(out.logits.masked_fill(~out.computed_mask[..., None], 0))
+    torch.testing.assert_close(logits[0], logits[1], atol=ATOL, rtol=0)
+
+
+def test_default_positions_start_at_zero_and_continue_at_the_positions_seen():
+    """Without position ids: ``0 .. N-1`` for a fresh forward (with or without a cache object), else the next
+    original position, the number of input positions the cache has seen (by hand)."""
+    assert torch.equal(default_positions(None, 2, 4, True, "cpu"), torch.tensor([[0, 1, 2, 3]] * 2))
+    cache = types.SimpleNamespace()
+    assert torch.equal(default_positions(cache, 1, 3, True, "cpu"), torch.tensor([[0, 1, 2]]))
+    note_seen(cache, 30, True)
+    note_seen(cache, 1, False)
+    assert torch.equal(default_positions(cache, 1, 2, False, "cpu"), torch.tensor([[31, 32]]))
 
 
 # ----------------------------------------------------------------------------- every term, against the dispatched ops

@@ -1,5 +1,6 @@
 """No silent wrong results: each test here failed before its fix (issue "No silent wrong results")."""
 
+import copy
 import json
 import math
 import subprocess
@@ -24,6 +25,7 @@ import hf_tokred
 from hf_tokred import TokenReductionConfig, hub
 from hf_tokred.ops import cpu as cpu_kernel
 from hf_tokred.cli import main
+from hf_tokred.compat import cache_kwargs, cache_of
 from hf_tokred.models import weights_fingerprint
 
 from conftest import stock_forward, tiny_model
@@ -195,6 +197,27 @@ def test_record_of_a_padded_batch_reduced_after_the_first_block(family):
     assert [row[1] for row in record.layer_lengths] == [10, 7, 3]  # ceil(0.5 * n) kept after block 0
     for b, kept in enumerate(record.kept_positions):
         assert set(kept) <= set(mask[b].nonzero().flatten().tolist())
+
+
+def test_a_cached_forward_of_several_new_tokens_is_not_reduced(family):
+    """Only a fresh prefill is reduced: a forward of several new tokens on a filled cache (chunked prefill,
+    assisted decoding) computes every one of them, is not recorded, and equals the same forward with reduction
+    off on the same cache contents."""
+    model = tiny_model(family, layers=4)
+    hf_tokred.apply_token_reduction(model, TokenReductionConfig(method="evit", keep_ratio=0.5, anchors=[0, 2]))
+    ids = rows(8, 1, 30)
+    new = dict(use_cache=True, cache_position=torch.arange(24, 30))
+    with torch.no_grad(), hf_tokred.record_reduction() as records:
+        first = model(ids[:, :24], use_cache=True)
+        second = model(ids[:, 24:], **cache_kwargs(copy.deepcopy(cache_of(first))), **new)
+    assert len(records) == 1 and records[0].anchors == [0, 2]
+    assert second.computed_mask.all() and second.logits.shape[1] == 6
+    saved = model.config.token_reduction
+    hf_tokred.apply_token_reduction(model, None)
+    with torch.no_grad():
+        plain = model(ids[:, 24:], **cache_kwargs(copy.deepcopy(cache_of(first))), **new)
+    model.config.token_reduction = saved
+    torch.testing.assert_close(second.logits, plain.logits, atol=ATOL, rtol=0)
 
 
 # ----------------------------------------------------------------------------- 4. assigning the settings object
