@@ -221,6 +221,13 @@ EQUIVALENT: dict[str, str] = {
     "loop:protected = reduce_along(protected, plan, False):42:False->True":
         "what a padding slot's protection says is never read: make_plan reads protection at real positions only "
         "(rows are gathered at their real columns) and the protection of kept columns is carried unchanged",
+    "flops:return family.block_flops(config, seq_len, batch, 0 if layer is None else _int(layer, \"layer\", 0)):50:0->1":
+        "without a layer only pure families are accepted (a hybrid must name it), and all their blocks cost the same",
+    "flops:batch: int = 1,:13:1->2":
+        "flops_reduction's default batch: the reduction is a ratio of two counts that are both linear in the batch",
+    "hybrid:allowed |= (cols[None, :] == own)[None] & ~q_real[:, :, None]:26:==->!=":
+        "a padding query row only needs some allowed column (so softmax is not NaN); its output is never read: "
+        "real queries mask padding keys and the SSM layers zero padding positions",
     "scan:n_chunks = math.ceil(length / min(chunk, length)):30:min->max":
         "the chunk layout is a speed / memory choice: one chunk scans the same recurrence (padded steps have dt = 0 "
         "and leave the state unchanged), equal up to float rounding",

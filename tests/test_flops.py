@@ -409,3 +409,13 @@ def test_layer_zero_of_a_pure_model_is_its_every_layer(make_config):
     assert layer_flops(config, 17, 2, layer=0) == layer_flops(config, 17, 2) == layer_flops(config, 17, 2, layer=1)
     with pytest.raises(ValueError, match="layer"):
         layer_flops(config, 17, 2, layer=-1)
+
+
+@pytest.mark.parametrize("make_config", [_mamba1_config, _mamba2_config])
+def test_lm_head_defaults_to_every_position_of_the_last_block(make_config):
+    """Without ``lm_head_positions`` the head runs on every token the last block computed (by hand:
+    ``2 * B * P * d * V`` with ``P = layer_lengths[-1]``), not on another block's length."""
+    config = make_config()
+    config.num_hidden_layers = 3
+    got = model_flops(config, [20, 12, 5], batch=2)
+    assert got.lm_head == 2 * 2 * 5 * config.hidden_size * config.vocab_size

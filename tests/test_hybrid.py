@@ -313,6 +313,8 @@ def test_default_positions_start_at_zero_and_continue_at_the_positions_seen():
     note_seen(cache, 30, True)
     note_seen(cache, 1, False)
     assert torch.equal(default_positions(cache, 1, 2, False, "cpu"), torch.tensor([[31, 32]]))
+    # the same cache object used again from the start: its old record is not read
+    assert torch.equal(default_positions(cache, 1, 2, True, "cpu"), torch.tensor([[0, 1]]))
 
 
 # ----------------------------------------------------------------------------- every term, against the dispatched ops
