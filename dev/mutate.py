@@ -228,6 +228,8 @@ EQUIVALENT: dict[str, str] = {
     "hybrid:allowed |= (cols[None, :] == own)[None] & ~q_real[:, :, None]:26:==->!=":
         "a padding query row only needs some allowed column (so softmax is not NaN); its output is never read: "
         "real queries mask padding keys and the SSM layers zero padding positions",
+    "hybrid:self.positions = reduce_along(self.positions, plan, 0):52:0->1":
+        "the position of a padding slot feeds only its own row (never read) and a key column every real query masks",
     "scan:n_chunks = math.ceil(length / min(chunk, length)):30:min->max":
         "the chunk layout is a speed / memory choice: one chunk scans the same recurrence (padded steps have dt = 0 "
         "and leave the state unchanged), equal up to float rounding",
