@@ -230,7 +230,7 @@ EQUIVALENT: dict[str, str] = {
         "real queries mask padding keys and the SSM layers zero padding positions",
     "hybrid:self.positions = reduce_along(self.positions, plan, 0):52:0->1":
         "the position of a padding slot feeds only its own row (never read) and a key column every real query masks",
-    "cpu:h0 = (torch.zeros(batch, d_inner, A.shape[-1]) if initial_state is None else initial_state.float()).contiguous():48:-->+":
+    "cpu:h0 = (torch.zeros(batch, d_inner, A.shape[-1]) if initial_state is None else initial_state.float()).contiguous():42:-->+":
         "A is [d_inner, N]: A.shape[+1] is A.shape[-1]",
     "scan:n_chunks = math.ceil(length / min(chunk, length)):30:min->max":
         "the chunk layout is a speed / memory choice: one chunk scans the same recurrence (padded steps have dt = 0 "
