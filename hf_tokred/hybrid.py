@@ -51,14 +51,25 @@ def causal_mask(impl: str, q_real: torch.Tensor, kv_real: torch.Tensor, dtype: t
 
 def default_positions(cache, B: int, N: int, fresh: bool, device) -> torch.Tensor:
     """Position ids when the caller gives none: ``0 .. N-1`` for a fresh forward, else continuing at the next
-    original position (the number of input positions the cache has seen, not its reduced length)."""
-    start = 0 if fresh or cache is None else cache.__dict__.get(_SEEN, 0)
+    original position: the number of input positions the cache has seen (not its reduced length), or, for a cache
+    filled without hf_tokred (no record: nothing was reduced), what stock transformers starts at,
+    ``cache.get_seq_length()``."""
+    if fresh or cache is None:
+        start = 0
+    else:
+        start = cache.__dict__.get(_SEEN)
+        if start is None:
+            start = cache.get_seq_length()
     return (torch.arange(N, device=device) + start).expand(B, N)
 
 
 def note_seen(cache, N: int, fresh: bool) -> None:
-    if cache is not None:
-        cache.__dict__[_SEEN] = (0 if fresh else cache.__dict__.get(_SEEN, 0)) + N
+    """After a forward of ``N`` input positions: the positions ``cache`` has seen (a cache filled without hf_tokred
+    has no record; nothing was reduced in it, so its length, which now includes these ``N``, is what it saw)."""
+    if cache is None:
+        return
+    seen = cache.__dict__.get(_SEEN)
+    cache.__dict__[_SEEN] = N if fresh else cache.get_seq_length() if seen is None else seen + N
 
 
 def _accepted(block) -> frozenset:

@@ -7,6 +7,7 @@ positions and a plain causal mask, a fresh forward for every decode step, one-at
 and ``FlopCounterMode`` for the FLOPs.
 """
 
+import copy
 import json
 import types
 from collections import Counter
@@ -20,6 +21,7 @@ from transformers import JambaConfig
 from hf_tokred import TokenReductionConfig
 from hf_tokred.bench import format_table, run_bench
 from hf_tokred.cli import main
+from hf_tokred.compat import cache_of, layer_cache_kwargs
 from hf_tokred.families import FAMILIES
 from hf_tokred.hybrid import default_positions, note_seen
 from hf_tokred.flops import flops_reduction, layer_flops, model_flops
@@ -315,6 +317,31 @@ def test_default_positions_start_at_zero_and_continue_at_the_positions_seen():
     assert torch.equal(default_positions(cache, 1, 2, False, "cpu"), torch.tensor([[31, 32]]))
     # the same cache object used again from the start: its old record is not read
     assert torch.equal(default_positions(cache, 1, 2, True, "cpu"), torch.tensor([[0, 1]]))
+    # a cache filled without hf_tokred (no record): where stock starts, the cache's get_seq_length()
+    stock_filled = types.SimpleNamespace(get_seq_length=lambda layer_idx=0: 17)
+    assert torch.equal(default_positions(stock_filled, 1, 2, False, "cpu"), torch.tensor([[17, 18]]))
+
+
+@pytest.mark.parametrize("name", ["bamba", "granitemoehybrid"])
+def test_decoding_on_a_cache_filled_without_reduction_continues_at_its_length(name):
+    """A cache filled by stock transformers (reduction off), then a decode step with reduction on and no position
+    ids: the new token sits at position 20, the cache's length (rotary attention would see another distance
+    otherwise); the reference is stock given that position explicitly (stock Bamba restarts at 0 without it)."""
+    model = reduce(hybrid_model(name))
+    ids = prompt(21)
+    with torch.no_grad():
+        cache = stock(model, lambda: cache_of(model(ids[:, :20], use_cache=True), hybrid=True))
+        want = stock(model, lambda: model(ids[:, 20:], **layer_cache_kwargs(copy.deepcopy(cache)), use_cache=True,
+                                          position_ids=torch.tensor([[20]])))
+        mine = copy.deepcopy(cache)
+        got = model(ids[:, 20:], **layer_cache_kwargs(mine), use_cache=True)
+        torch.testing.assert_close(got.logits, want.logits, atol=ATOL, rtol=0)
+        # and the next step continues at 21
+        nxt = torch.tensor([[5]])
+        want = stock(model, lambda: model(nxt, **layer_cache_kwargs(cache_of(want, hybrid=True)), use_cache=True,
+                                          position_ids=torch.tensor([[21]])))
+        got = model(nxt, **layer_cache_kwargs(cache_of(got, hybrid=True)), use_cache=True)
+    torch.testing.assert_close(got.logits, want.logits, atol=ATOL, rtol=0)
 
 
 # ----------------------------------------------------------------------------- every term, against the dispatched ops
