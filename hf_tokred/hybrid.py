@@ -69,7 +69,13 @@ def note_seen(cache, N: int, fresh: bool) -> None:
     if cache is None:
         return
     seen = cache.__dict__.get(_SEEN)
-    cache.__dict__[_SEEN] = N if fresh else cache.get_seq_length() if seen is None else seen + N
+    if fresh:
+        seen = N
+    elif seen is None:
+        seen = cache.get_seq_length()
+    else:
+        seen += N
+    cache.__dict__[_SEEN] = seen
 
 
 def _accepted(block) -> frozenset:

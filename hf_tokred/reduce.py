@@ -326,7 +326,10 @@ def make_plan(
 
 def extend_plan(plan: Plan, prefix: int, length: int) -> Plan:
     """A plan made on the first ``prefix`` columns, extended to a sequence of ``length`` columns whose columns
-    ``prefix, ..., length - 1`` are all kept, unchanged, after the reduced prefix."""
+    ``prefix, ..., length - 1`` are all kept, unchanged, after the reduced prefix (no columns after it: the plan
+    itself)."""
+    if length == prefix:
+        return plan
     tail = torch.arange(prefix, length, device=plan.keep.device).expand(plan.keep.shape[0], -1)
     return replace(plan, keep=torch.cat([plan.keep, tail], 1),
                    keep_mask=torch.cat([plan.keep_mask, torch.ones_like(tail, dtype=torch.bool)], 1))

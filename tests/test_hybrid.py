@@ -333,8 +333,7 @@ def test_decoding_on_a_cache_filled_without_reduction_continues_at_its_length(na
         cache = stock(model, lambda: cache_of(model(ids[:, :20], use_cache=True), hybrid=True))
         want = stock(model, lambda: model(ids[:, 20:], **layer_cache_kwargs(copy.deepcopy(cache)), use_cache=True,
                                           position_ids=torch.tensor([[20]])))
-        mine = copy.deepcopy(cache)
-        got = model(ids[:, 20:], **layer_cache_kwargs(mine), use_cache=True)
+        got = model(ids[:, 20:], **layer_cache_kwargs(copy.deepcopy(cache)), use_cache=True)
         torch.testing.assert_close(got.logits, want.logits, atol=ATOL, rtol=0)
         # and the next step continues at 21
         nxt = torch.tensor([[5]])
@@ -373,7 +372,7 @@ def _dispatched_per_layer(model, L: int, B: int) -> list:
     counter = _LayerDispatch()
     layers = getattr(model, FAMILIES[model.config.model_type].backbone_attr).layers
     snapshots, hooks = [], []
-    for i, layer in enumerate(layers):
+    for layer in layers:
         for name, module in layer.named_modules():
             last = name.rsplit(".", 1)[-1]
             region = "free" if last in _FREE else "norm" if "RMSNorm" in type(module).__name__ else None
@@ -407,7 +406,8 @@ def test_every_term_equals_the_dispatched_ops(name, overrides, L):
     model = _eager(name, **overrides)
     B = 2
     kinds = FAMILIES[name].kinds(model.config)
-    for i, got in enumerate(_dispatched_per_layer(model, L, B)):
+    per_layer = _dispatched_per_layer(model, L, B)
+    for i, got in enumerate(per_layer):
         analytic = layer_flops(model.config, L, B, layer=i)
         mm = sum(v for (region, kind), v in got.items() if kind == "mm")
         ew = sum(v for (region, kind), v in got.items() if kind in ("ew", "bias") and region != "free")
@@ -415,7 +415,7 @@ def test_every_term_equals_the_dispatched_ops(name, overrides, L):
         assert (analytic.matmul, analytic.elementwise) == (mm, ew), (i, kinds[i])
     if "attention_bias" in overrides:  # the variant's bias adds are dispatched (so the check above sees them)
         attention = kinds.index("attention")
-        assert _dispatched_per_layer(model, L, B)[attention]["block", "bias"] > 0
+        assert per_layer[attention]["block", "bias"] > 0
 
 
 # ----------------------------------------------------------------------------- command line, random models
