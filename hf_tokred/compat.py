@@ -33,9 +33,10 @@ from typing import Any
 import transformers
 from packaging.version import Version
 from transformers.masking_utils import create_recurrent_attention_mask
+from transformers.utils.generic import merge_with_config_defaults
 
 __all__ = ["CACHE_ARG", "SUPPORTED_TRANSFORMERS", "UnsupportedTransformersVersion", "cache_argument", "cache_kwargs",
-           "cache_of", "check_transformers_version", "layer_cache_kwargs", "mamba2_norm_is_grouped", "recurrent_mask",
+           "cache_of", "check_transformers_version", "layer_cache_kwargs", "mamba2_norm_is_grouped", "merged_use_cache", "recurrent_mask",
            "with_legacy_cache_name"]
 
 SUPPORTED_TRANSFORMERS = (Version("5.22.0"), Version("5.25.0"))  # [low, high)
@@ -108,3 +109,11 @@ def mamba2_norm_is_grouped(version: Version = INSTALLED) -> bool:
     """Whether transformers' Mamba-2 gated RMSNorm normalises each group of ``intermediate_size // n_groups``
     channels on its own (5.23 on, as mamba_ssm's ``RMSNormGated(group_size=...)``), rather than all channels."""
     return version >= Version("5.23.0")
+
+
+# ----------------------------------------------------------------------------- use_cache of the hybrid backbones
+
+#: ``merged_use_cache(backbone, use_cache=...)``: ``use_cache`` as transformers' hybrid backbones resolve it (their
+#: forward is wrapped in ``merge_with_config_defaults``: the config's value when None, False under gradient
+#: checkpointing while training -- from 5.24 only while gradients are enabled), by the installed release's own rule
+merged_use_cache = merge_with_config_defaults(lambda self, use_cache=None: use_cache)

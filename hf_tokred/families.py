@@ -285,6 +285,10 @@ class Family:
     residual_multiplier: str = ""
     #: hybrids: ``layers_block_type`` of a random model with this many layers
     random_layers: Callable[[int], dict] = lambda layers: {}
+    #: the backbone's forward resolves ``use_cache`` with transformers' ``merge_with_config_defaults`` (the hybrids:
+    #: the config's value, off under gradient checkpointing while training); otherwise as the pure Mamba models do
+    #: (the config's value in eval mode, off while training unless passed, off under gradient checkpointing)
+    merged_use_cache: bool = False
 
     @property
     def hybrid(self) -> bool:
@@ -344,7 +348,7 @@ FAMILIES: dict[str, Family] = {
         sizes={"tiny": (64, 8), "1b": (2048, 24)}, random_kwargs=_bamba_random,
         backbone_attr="model", embeddings_attr="embed_tokens", final_norm_attr="final_layernorm",
         norm_attr="input_layernorm", mixer_attr="mamba", layer_kinds=hybrid_layer_kinds,
-        feed_forward=bamba_feed_forward,
+        feed_forward=bamba_feed_forward, merged_use_cache=True,
         random_layers=lambda n: {"attn_layer_indices": [i for i, t in enumerate(_hybrid_pattern(n)) if t != "linear_attention"]},
     ),
     "granitemoehybrid": Family(
@@ -356,7 +360,7 @@ FAMILIES: dict[str, Family] = {
         backbone_attr="model", embeddings_attr="embed_tokens", final_norm_attr="norm",
         norm_attr="input_layernorm", mixer_attr="mamba", layer_kinds=hybrid_layer_kinds,
         feed_forward=granite_hybrid_feed_forward, embedding_multiplier="embedding_multiplier",
-        logits_divisor="logits_scaling", residual_multiplier="residual_multiplier",
+        logits_divisor="logits_scaling", residual_multiplier="residual_multiplier", merged_use_cache=True,
         random_layers=lambda n: {"layer_types": _hybrid_pattern(n)},
     ),
     "nemotron_h": Family(
@@ -365,7 +369,7 @@ FAMILIES: dict[str, Family] = {
         modeling_module="transformers.models.nemotron_h.modeling_nemotron_h", mixer_takes_kwargs=True,
         layer_flops=nemotron_h_layer_flops, delta_source="in_proj", delta=mamba2_delta,
         sizes={"tiny": (64, 8)}, random_kwargs=_nemotron_h_random,
-        backbone_attr="model", layer_kinds=hybrid_layer_kinds,
+        backbone_attr="model", layer_kinds=hybrid_layer_kinds, merged_use_cache=True,
         random_layers=lambda n: {"layers_block_type": _nemotron_h_pattern(n)},
     ),
 }

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import DynamicCache
 
-from .compat import cache_kwargs, layer_cache_kwargs, recurrent_mask
+from .compat import cache_kwargs, layer_cache_kwargs, merged_use_cache, recurrent_mask
 from .config import ResolvedSchedule, TokenReductionConfig
 from .families import family_of
 from .hybrid import AttentionLayers, check_attention_implementation, default_positions, note_seen
@@ -77,6 +77,14 @@ def _protected_for(mask: torch.Tensor, B: int, prefix: int, N: int) -> torch.Ten
         raise ValueError(f"protected_mask must have shape (batch, sequence) = {(B, prefix)}, got {tuple(mask.shape)}")
     mask = mask.to(torch.bool).repeat_interleave(B // mask.shape[0], dim=0)
     return F.pad(mask, (0, N - prefix), value=False)
+
+
+def _mamba_use_cache(backbone, use_cache: bool | None) -> bool:
+    """``use_cache`` as transformers' Mamba / Mamba-2 / Falcon Mamba backbones resolve it: the config's value in eval
+    mode, off while training unless passed, off under gradient checkpointing while training."""
+    if use_cache is None:
+        use_cache = backbone.config.use_cache and not backbone.training
+    return bool(use_cache) and not (backbone.gradient_checkpointing and backbone.training)
 
 
 def _is_fresh(cache, first_ssm: int | None = None) -> bool:
@@ -206,10 +214,8 @@ def reduced_backbone(backbone, cfg: TokenReductionConfig, schedule: ResolvedSche
     config = backbone.config
     family = family_of(config)
     output_hidden_states = output_hidden_states if output_hidden_states is not None else config.output_hidden_states
-    use_cache = use_cache if use_cache is not None else (config.use_cache if not backbone.training else False)
+    use_cache = (merged_use_cache if family.merged_use_cache else _mamba_use_cache)(backbone, use_cache=use_cache)
     inputs_embeds = _embed(backbone, family, input_ids, inputs_embeds)
-    if getattr(backbone, "gradient_checkpointing", False) and backbone.training and use_cache:
-        use_cache = False
     if use_cache and cache is None:
         cache = DynamicCache(config=config)
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -26,7 +27,8 @@ from hf_tokred import TokenReductionConfig, hub
 from hf_tokred.ops import cpu as cpu_kernel
 from hf_tokred.cli import main
 from hf_tokred.compat import cache_kwargs, cache_of
-from hf_tokred.models import weights_fingerprint
+from hf_tokred.families import FAMILIES
+from hf_tokred.models import random_config, weights_fingerprint
 
 from conftest import stock_forward, tiny_model
 
@@ -141,6 +143,35 @@ def test_gradient_checkpointing_in_training_builds_no_cache_like_stock(family):
         assert torch.allclose(p.grad, g, atol=ATOL, rtol=1e-4)
 
 
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_use_cache_resolves_as_in_stock(name):
+    """Whether a reducing forward returns a cache follows stock transformers for every family, config default,
+    mode and ``use_cache`` value: the pure Mamba models build none while training unless asked, and none under
+    gradient checkpointing; the hybrids take ``use_cache`` (or the config's) as given."""
+    config = random_config(f"{name}-tiny")
+    torch.manual_seed(0)
+    model = getattr(transformers, FAMILIES[name].lm_class)(config)
+    ssm = [i for i, k in enumerate(FAMILIES[name].kinds(config)) if k == "ssm"]
+    hybrid = FAMILIES[name].hybrid
+    hf_tokred.apply_token_reduction(model, TokenReductionConfig(method="evit", keep_ratio=0.5, anchors=ssm[:2]))
+    ids = rows(2, 1, 12)
+    seen = []
+    for checkpointing in (False, True):
+        if checkpointing:
+            model.gradient_checkpointing_enable()
+        for config_default in (True, False):
+            model.config.use_cache = config_default
+            for training in (False, True):
+                model.train(training)
+                for use_cache in (None, True, False):
+                    kw = {} if use_cache is None else {"use_cache": use_cache}
+                    want = cache_of(stock_forward(model, ids, **kw), hybrid) is not None
+                    got = cache_of(model(ids, **kw), hybrid) is not None
+                    assert got == want, (checkpointing, config_default, training, use_cache)
+                    seen.append(want)
+    assert any(seen) and not all(seen)
+
+
 # ----------------------------------------------------------------------------- 3. generate without a cache
 
 
@@ -197,6 +228,21 @@ def test_record_of_a_padded_batch_reduced_after_the_first_block(family):
     assert [row[1] for row in record.layer_lengths] == [10, 7, 3]  # ceil(0.5 * n) kept after block 0
     for b, kept in enumerate(record.kept_positions):
         assert set(kept) <= set(mask[b].nonzero().flatten().tolist())
+
+
+def test_only_prefills_that_can_reduce_are_recorded(family):
+    """``record_reduction`` records reducing forwards only: generating from a one-token prompt (nothing to reduce)
+    records nothing, from a two-token prompt exactly the prefill (decode steps are never recorded)."""
+    model = tiny_model(family, layers=4)
+    model.generation_config.eos_token_id = None
+    hf_tokred.apply_token_reduction(model, TokenReductionConfig(method="evit", keep_ratio=0.5, anchors=[0, 2]))
+    ids = rows(9, 1, 2)
+    with torch.no_grad(), hf_tokred.record_reduction() as one:
+        model.generate(ids[:, :1], max_new_tokens=3, do_sample=False, pad_token_id=0)
+    with torch.no_grad(), hf_tokred.record_reduction() as two:
+        model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert one == []
+    assert len(two) == 1 and two[0].input_lengths == [2] and two[0].anchors == [0]  # one token left at block 2
 
 
 def test_a_cached_forward_of_several_new_tokens_is_not_reduced(family):
