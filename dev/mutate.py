@@ -76,7 +76,7 @@ TARGETS = {
         ("tests/test_properties.py", "tests/test_oracles.py::test_reduced_backward_equals_slow_reference",
          "tests/test_batch.py"))),
     "loop": Target("hf_tokred/loop.py", (
-        "check_shapes", "_protected_for", "_is_fresh", "_apply_both", "_Captured.__call__", "_Captured.get",
+        "check_shapes", "_protected_for", "_mamba_use_cache", "_is_fresh", "_apply_both", "_Captured.__call__", "_Captured.get",
         "_step_sizes", "_anchor_block", "_initial_protection", "reduced_backbone"), _LOOP_TESTS),
     "forwards": Target("hf_tokred/forwards.py", ("reduced_loss", "_logits", "lm_forward", "backbone_forward"),
                        _LOOP_TESTS),
