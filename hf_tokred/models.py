@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 import transformers
+from tokenizers import Tokenizer, decoders, pre_tokenizers
+from tokenizers.models import BPE
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
 from .convert import NEOX_REPO, checkpoint_tokenizer
@@ -84,11 +86,9 @@ def random_config(name: str):
 
 def byte_tokenizer() -> PreTrainedTokenizerFast:
     """A byte-level tokenizer without merges (ids < 260), for random-weight models."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     vocab = {"<|endoftext|>": 0, "<|padding|>": 1, **{ch: i + 2 for i, ch in enumerate(sorted(alphabet))}}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok = Tokenizer(BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|endoftext|>",
