@@ -6,6 +6,8 @@ from transformers import Mamba2ForCausalLM, MambaForCausalLM
 
 import hf_tokred
 from hf_tokred import TokenReductionConfig
+from hf_tokred.evaluation.mqar import MQARSettings, make_batch
+from hf_tokred.models import BUNDLED
 
 
 @pytest.mark.parametrize("family,cls", [("mamba", MambaForCausalLM), ("mamba2", Mamba2ForCausalLM)])
@@ -30,3 +32,23 @@ def test_bundled_model_loads_and_reduces(family, cls):
     assert hf_tokred.get_token_reduction(reduced).method == "tome"
     text = tok.decode(model.generate(**enc, max_new_tokens=5, do_sample=False)[0], skip_special_tokens=True)
     assert text.startswith("The history of the city") and len(text) > len(prompt)
+
+
+@pytest.mark.parametrize("name", [m for m in BUNDLED if m.startswith("recall-")])
+def test_bundled_recall_model_recalls(name):
+    """A bundled recall model carries its task in config.json, has at least 8 blocks, and answers at least 90 % of
+    the queries of fresh evaluation sequences (never trained on), scored by hand from the tokens: each query key's
+    prediction must be the value bound to that key in the pairs at the start of its row."""
+    model, tok = hf_tokred.load_bundled(name)
+    s = MQARSettings(**model.config.mqar)
+    assert model.config.num_hidden_layers >= 8 and len(tok) == s.vocab_size
+    ids = make_batch(s, 64, 1_000_000).input_ids
+    with torch.no_grad():
+        predicted = model(ids).logits.argmax(-1)
+    hits = []
+    for row, guess in zip(ids.tolist(), predicted.tolist()):
+        bound = dict(zip(row[0 : 2 * s.num_pairs : 2], row[1 : 2 * s.num_pairs : 2]))
+        start = len(row) - 2 * s.num_queries
+        hits += [guess[t] == bound[row[t]] for t in range(start, len(row), 2)]
+    assert len(hits) == 64 * s.num_queries
+    assert sum(hits) / len(hits) >= 0.9
