@@ -45,6 +45,7 @@ METHODS = {
     "evit_delta_recent": {"method": "evit", "metric": "delta", "protect_recent": 0.25},
     "utrc_delta": {"method": "utrc", "metric": "delta"},
     "utrc_frozen": {"method": "utrc_frozen"},
+    "front_prune": {"method": "front_prune"},
 }
 #: the recall models run 8 blocks; the paper's rule anchors them at blocks 2-5, after the models have already moved
 #: the key-value information to later positions (every method then keeps recall), so they reduce from block 0
@@ -202,7 +203,7 @@ def plot(folder: Path, dest: Path) -> None:
                ("mqar_acc", RECALL_MODELS, "MQAR recall accuracy")] for m in models if f"bundled:{m}" in have]
     fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 4.2), squeeze=False)
     for ax, (key, name, title) in zip(axes[0], panels):
-        for method in ["utrc", "utrc_reference", "evit", "evit_recent", "tome", "utrc_frozen"]:
+        for method in ["utrc", "utrc_reference", "evit", "evit_recent", "tome", "utrc_frozen", "front_prune"]:
             pts = sorted((r["flops_exact"], r[key]) for r in rows if r["model"] == f"bundled:{name}"
                          and r["method"] in (method, "dense") and r.get(key))
             if pts:

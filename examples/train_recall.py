@@ -36,8 +36,8 @@ from train_bundled import install_fast_mamba_scan, lr_at  # noqa: E402  (the LM 
 EVAL_SEED = 1_000_000  # training uses seeds < EVAL_SEED
 
 
-def make_config(family: str, settings: MQARSettings, hidden: int, layers: int):
-    common = dict(vocab_size=settings.vocab_size, hidden_size=hidden, num_hidden_layers=layers, state_size=16,
+def make_config(family: str, settings: MQARSettings, hidden: int, layers: int, state: int = 16):
+    common = dict(vocab_size=settings.vocab_size, hidden_size=hidden, num_hidden_layers=layers, state_size=state,
                   expand=2, conv_kernel=4, tie_word_embeddings=True, bos_token_id=1, eos_token_id=1, pad_token_id=0,
                   layer_norm_epsilon=1e-5, residual_in_fp32=True, use_cache=True)
     if family == "mamba":
@@ -45,8 +45,8 @@ def make_config(family: str, settings: MQARSettings, hidden: int, layers: int):
     return Mamba2Config(**common, head_dim=16, num_heads=2 * hidden // 16, n_groups=1, chunk_size=64)
 
 
-def build(family, settings, hidden, layers):
-    cfg = make_config(family, settings, hidden, layers)
+def build(family, settings, hidden, layers, state=16):
+    cfg = make_config(family, settings, hidden, layers, state)
     return (MambaForCausalLM if family == "mamba" else Mamba2ForCausalLM)(cfg)
 
 
@@ -101,7 +101,7 @@ def cmd_train(args):
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(args.seed)
-    model = build(args.family, settings, args.hidden, args.layers)
+    model = build(args.family, settings, args.hidden, args.layers, args.state)
     if args.family == "mamba":
         install_fast_mamba_scan()
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "A_log" not in n]
@@ -161,7 +161,7 @@ def cmd_export(args):
     st = torch.load(Path(args.out) / "ckpt.pt", map_location="cpu", weights_only=False)
     settings = MQARSettings(**st["settings"])
     a = st["args"]
-    model = build(a["family"], settings, a["hidden"], a["layers"])
+    model = build(a["family"], settings, a["hidden"], a["layers"], a.get("state", 16))
     model.load_state_dict(st["model"])
     dest = Path(args.dest)
     dest.mkdir(parents=True, exist_ok=True)
@@ -189,6 +189,7 @@ def main(argv=None):
     p.add_argument("--settings", default="", help="MQARSettings as JSON (default: the benchmark default)")
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--state", type=int, default=16, help="state_size (N) of every block")
     p.add_argument("--steps", type=int, default=4000)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--lr", type=float, default=3e-3)

@@ -44,7 +44,7 @@ __all__ = [
 class MethodSpec:
     """What a named method does: how it selects tokens, and what each branch does with them."""
 
-    selection: str  # "importance_similarity" | "reference" | "importance" | "bipartite"
+    selection: str  # "importance_similarity" | "reference" | "importance" | "bipartite" | "front"
     hidden: str  # strategy on the hidden-state (mixer output) branch
     residual: str  # strategy on the residual branch
     pairs: bool  # True when every removed token is matched to a kept one (removes at most half per anchor)
@@ -78,16 +78,21 @@ METHODS: dict[str, MethodSpec] = {
         "importance_similarity", "merge", "merge", True,
         "UTRC selection, merge on both branches (paper Table 5, M-only).",
     ),
+    "front_prune": MethodSpec(
+        "front", "prune", "prune", False,
+        "Content-aware front-thinning: prune the least important of the oldest 2r unprotected tokens at each anchor "
+        "(hf_tokred's method, the recommended default: the authors' front window, chosen by importance).",
+    ),
     "utrc_frozen": MethodSpec(
         "importance_similarity", "hybrid", "merge", True,
         "UTRC whose protected tokens (the last token, scored positions) are never merge destinations: they stay "
-        "exactly as computed (hf_tokred's method; the recommended default).",
+        "exactly as computed (hf_tokred's variant of the paper's method).",
         protected_receive=False,
     ),
 }
 
 #: The method ``TokenReductionConfig()`` uses when none is named (README "Methods" says why).
-DEFAULT_METHOD = "utrc_frozen"
+DEFAULT_METHOD = "front_prune"
 
 #: Importance metrics: the paper's Table 3 (from the anchor block's mixer output ``h``), and ``delta``.
 METRICS: dict[str, str] = {
@@ -230,8 +235,9 @@ class TokenReductionConfig:
     (0-based block indices; reduction happens after these blocks) default to the paper's rule.
 
     Args:
-        method: one of ``METHODS`` (default ``utrc_frozen``; ``utrc`` is the paper's method as written,
-            ``utrc_reference`` the authors' code, ``evit`` / ``tome`` / ``prune_only`` / ``merge_only`` baselines).
+        method: one of ``METHODS`` (default ``front_prune``; ``utrc`` is the paper's method as written,
+            ``utrc_reference`` the authors' code, ``utrc_frozen`` UTRC with protected tokens never merged into,
+            ``evit`` / ``tome`` / ``prune_only`` / ``merge_only`` baselines).
         flops_reduction: target FLOPs reduction in ``[0, 1)``, e.g. 0.1 / 0.2 / 0.3.
         keep_ratio: per-anchor keep ratio in ``(0, 1]`` (``[0.5, 1]`` for methods that pair tokens).
         anchors: strictly increasing block indices; checked against the model's depth when applied.

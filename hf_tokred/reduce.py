@@ -26,18 +26,8 @@ import torch
 from .config import merge_count, removal_count
 from .ops import cpu as cpu_ops
 
-__all__ = [
-    "Plan",
-    "Selection",
-    "apply_plan",
-    "apply_plan_pair",
-    "extend_plan",
-    "importance",
-    "make_plan",
-    "merge_weights",
-    "num_to_remove",
-    "select",
-]
+__all__ = ["Plan", "Selection", "apply_plan", "apply_plan_pair", "extend_plan", "importance", "make_plan",
+           "merge_weights", "num_to_remove", "select"]
 
 
 def importance(h: torch.Tensor, metric: str = "clip", scores: torch.Tensor | None = None) -> torch.Tensor:
@@ -214,11 +204,22 @@ def _select_importance(h, s, protected, r, metric, receive=True) -> Selection:
     return Selection(sel, next_kept.gather(1, sel), ok, s.gather(1, sel))
 
 
+FRONT_WINDOW = 2  # front looks at the oldest 2r unprotected tokens (the window the authors' code thins)
+
+
+def _select_front(h, s, protected, r, metric, receive=True) -> Selection:
+    """Content-aware front-thinning: EViT's rule (remove the least important) within the oldest
+    ``FRONT_WINDOW * r`` unprotected tokens, so recent context is never touched and important old tokens stay."""
+    beyond = (~protected).cumsum(1) > FRONT_WINDOW * r[:, None]
+    return _select_importance(h, s, protected | beyond, r, metric, receive)
+
+
 _SELECTORS = {
     "importance_similarity": _select_importance_similarity,
     "reference": _select_reference,
     "bipartite": _select_bipartite,
     "importance": _select_importance,
+    "front": _select_front,
 }
 
 

@@ -23,6 +23,7 @@ METHOD_STRATEGIES = {
     "prune_only": ("prune", "prune"),
     "merge_only": ("merge", "merge"),
     "utrc_frozen": ("hybrid", "merge"),
+    "front_prune": ("prune", "prune"),
 }
 #: selection rule of each method, and whether it pairs tokens (caps removal at half).
 METHOD_SELECTION = {
@@ -33,6 +34,7 @@ METHOD_SELECTION = {
     "prune_only": ("importance_similarity", True),
     "merge_only": ("importance_similarity", True),
     "utrc_frozen": ("importance_similarity", True),
+    "front_prune": ("front", False),
 }
 
 
@@ -120,7 +122,8 @@ def expected_removed(n: int, protected_local: list[bool], keep_ratio: float, sel
     * importance_similarity: sources come from the less-important half ``A`` (|A| = n - n//2); protected tokens
       sort to the important end, so only protected tokens beyond n//2 spill into ``A`` and are ineligible.
     * bipartite / reference: sources are the row's even tokens (0, 2, ...) that are not protected.
-    * importance (EViT): any unprotected token.
+    * importance (EViT): any unprotected token; front: the oldest 2r unprotected tokens, which hold r of them
+      whenever the row has r unprotected tokens, so the same limit.
 
     ``receive=False`` (utrc_frozen): protected tokens are no merge destinations either, so a selection whose
     destination set (the important half ``B``; the odd tokens) holds only protected tokens removes nothing.

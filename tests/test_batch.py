@@ -34,7 +34,7 @@ from robust_helpers import (
 LAYERS = 4
 ANCHORS = [0, 2]
 METHODS = sorted(METHOD_STRATEGIES)
-KEEP = {m: (0.4 if m == "evit" else 0.6) for m in METHODS}  # EViT may remove more than half
+KEEP = {m: (0.6 if METHOD_SELECTION[m][1] else 0.4) for m in METHODS}  # unpaired methods may remove more than half
 
 
 @pytest.fixture

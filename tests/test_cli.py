@@ -39,7 +39,7 @@ def test_generate_json(capsys):
     "argv,code,needle",
     [
         (["schedule", "--layers", "24", "--flops-reduction", "0.95"], 2, "not reachable for a 24-layer model"),
-        (["schedule", "--layers", "24", "--keep-ratio", "0.3"], 2, "keep_ratio"),
+        (["schedule", "--layers", "24", "--method", "utrc", "--keep-ratio", "0.3"], 2, "keep_ratio"),  # pairs: >= 0.5
         (["generate", "x", "--model", "random:mamba-tiny", "--anchors", "1,x", "--keep-ratio", "0.9"], 2, "--anchors"),
         (["generate", "x", "--model", "random:mamba-tiny", "--method", "tome"], 2, "--flops-reduction or --keep-ratio"),
         (["generate", "x", "--model", "/nonexistent/model"], 1, "error"),
@@ -60,10 +60,10 @@ def test_bench_runs_side_by_side(tmp_path):
     assert proc.returncode == 0, proc.stderr
     result = json.loads(out.read_text())
     names = [r["setting"] for r in result["rows"]]
-    assert names == ["dense", "stock transformers (dense)", "utrc_frozen 30%"]
+    assert names == ["dense", "stock transformers (dense)", "front_prune 30%"]
     reduced = result["rows"][2]
     assert reduced["layer_lengths"][-1] < 64 and 0.2 < reduced["flops_reduction_proxy"] < 0.35
-    assert "| utrc_frozen 30% |" in proc.stdout
+    assert "| front_prune 30% |" in proc.stdout
 
 
 def test_bench_memory_with_all_logits(tmp_path):

@@ -70,7 +70,7 @@ def test_round_trip_dict():
         (dict(metric="cosine", flops_reduction=0.1), ValueError, "metric"),
         (dict(keep_ratio=0.0), ValueError, "keep_ratio"),
         (dict(keep_ratio=1.5), ValueError, "keep_ratio"),
-        (dict(keep_ratio=0.3), ValueError, "at most half"),
+        (dict(method="utrc", keep_ratio=0.3), ValueError, "at most half"),
         (dict(keep_ratio=math.nan), ValueError, "keep_ratio"),
         (dict(keep_ratio="0.9"), TypeError, "keep_ratio"),
         (dict(keep_ratio=True), TypeError, "keep_ratio"),

@@ -157,7 +157,7 @@ def test_hub_repo_in_the_local_cache_loads(tmp_path):
     cache = str(tmp_path / "hub")
     assert AutoConfig.from_pretrained("state-spaces/mamba2-tiny", cache_dir=cache).model_type == "mamba2"
     model = AutoModelForCausalLM.from_pretrained("state-spaces/mamba2-tiny", cache_dir=cache,
-                                                 token_reduction={"keep_ratio": 0.8, "anchors": [2]}).eval()
+                                                 token_reduction={"method": "utrc", "keep_ratio": 0.8, "anchors": [2]}).eval()
     ids, mask = padded_batch(2)
     assert_rows_match_reference(model, ids, mask, MAMBA2, state_dict, "utrc")
 
@@ -293,7 +293,7 @@ def test_convert_writes_a_standard_folder_that_stock_transformers_loads(tmp_path
     assert not [t for t in pii if t["content"] in convert.NEOX_PII_TOKENS]
     assert tok.eos_token == "<|endoftext|>" and tok.pad_token == "<|padding|>"
     assert tok("hello world").input_ids == hf_tokred.models.byte_tokenizer()("hello world").input_ids
-    reduced = AutoModelForCausalLM.from_pretrained(dest, token_reduction={"keep_ratio": 0.7, "anchors": [1]})
+    reduced = AutoModelForCausalLM.from_pretrained(dest, token_reduction={"method": "utrc", "keep_ratio": 0.7, "anchors": [1]})
     assert_rows_match_reference(reduced, ids, mask, config, state_dict, "utrc")
 
 

@@ -1,6 +1,7 @@
 """install() / uninstall() restore transformers exactly; services that need no lm-eval work without it;
 settings name the version that wrote them."""
 
+import importlib.metadata
 import json
 import subprocess
 import sys
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+import hf_tokred
 from hf_tokred import TokenReductionConfig
 from hf_tokred.version import __version__
 
@@ -67,6 +69,7 @@ for key in before:
     assert before[key] == after[key], key
 assert all(torch.equal(a, b) for a, b in zip(stock, logits())), "stock logits changed after uninstall"
 hf_tokred.install()  # and back: reducing again
+import hf_tokred
 from hf_tokred import TokenReductionConfig
 model = MambaForCausalLM(MambaConfig(vocab_size=64, hidden_size=32, state_size=8, num_hidden_layers=4))
 hf_tokred.apply_token_reduction(model, TokenReductionConfig(keep_ratio=0.6, anchors=[1]))
@@ -133,3 +136,9 @@ def test_settings_record_the_version_and_name_it_for_unknown_fields():
         TokenReductionConfig.from_dict(newer)
     with pytest.raises(ValueError, match="unknown token_reduction field"):
         TokenReductionConfig.from_dict({**d, "window": 4})
+
+
+def test_installed_version_is_the_package_version():
+    """pip's metadata (pyproject reads it from hf_tokred/version.py) and ``hf_tokred.__version__`` agree: settings
+    saved in config.json name the version a user can look up with ``pip show hf-tokred``."""
+    assert importlib.metadata.version("hf-tokred") == __version__ == hf_tokred.__version__

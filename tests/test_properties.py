@@ -103,7 +103,7 @@ def configs(draw, layers=LAYERS, max_keep=1.0, method=None):
     method = method or draw(st.sampled_from(sorted(METHODS)))
     spec = METHODS[method]
     min_keep = 0.5 if spec.pairs else 0.0
-    if spec.selection == "importance":  # EViT can only prune
+    if not spec.pairs:  # EViT and front_prune (no matched destination) can only prune
         hidden = draw(st.sampled_from([None, "prune"]))
         residual = draw(st.sampled_from([None, "prune"]))
     else:
@@ -220,7 +220,8 @@ def test_tiny_keep_ratio_never_empties_a_row(n, keep):
 # ============================================================================ 6. make_plan / apply_plan directly
 
 
-SELECTIONS = ["importance_similarity", "bipartite", "reference", "importance"]
+SELECTIONS = ["importance_similarity", "bipartite", "reference", "importance", "front"]
+UNPAIRED = ("importance", "front")  # selections that do not pair tokens (may remove more than half)
 
 
 @st.composite
@@ -229,7 +230,7 @@ def plan_cases(draw, selection):
     tokens and only its last token is protected, so every row of the batch removes."""
     B = draw(st.integers(1, 5))
     N = draw(st.integers(2, 24))
-    pairs = selection != "importance"
+    pairs = selection not in UNPAIRED
     keep = draw(ratios(0.5 if pairs else 0.01, 1.0).filter(lambda k: k >= (0.5 if pairs else 0.01)))
     every_row = draw(st.booleans())
     if every_row:
@@ -316,6 +317,9 @@ def test_make_plan_invariants(selection, data):
         assert kept == sorted(kept) and set(kept) == set(real) - set(src)  # order kept, nothing else lost
         assert plan.keep_mask[b].tolist() == [False] * (M - len(kept)) + [True] * len(kept)  # right-aligned
         assert set(protected[b].nonzero().flatten().tolist()) <= set(kept)  # protected survive
+        if sel == "front":  # only the oldest 2r unprotected tokens are candidates (r: the documented count)
+            window = [p for p in real if not protected[b, p]][: 2 * documented_num_to_remove(n, keep, pairs)]
+            assert set(src) <= set(window)
         if pairs:
             assert set(dst) <= set(kept)  # merges go into surviving real tokens only
             assert plan.keep[b][plan.dst_slot[b][ok]].tolist() == dst

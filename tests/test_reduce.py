@@ -200,6 +200,27 @@ def test_evit_removes_least_important_unprotected():
     assert sorted(sel.src[0].tolist()) == sorted(expect)
 
 
+def test_front_removes_the_least_important_of_the_oldest_2r_unprotected():
+    """By hand from the rule: the candidates are the oldest 2r unprotected tokens (protected ones are skipped, not
+    counted); of those, the r least important go (ties: the earlier one), and nothing after the window is touched,
+    however unimportant."""
+    torch.manual_seed(4)
+    n, r = 14, 3
+    h = torch.rand(1, n, 6) + 0.1
+    h[0, 10] = 0.0  # the least important token of all, but far beyond the window
+    protected = torch.zeros(1, n, dtype=torch.bool)
+    protected[0, [1, 4, n - 1]] = True
+    sel = select("front", h, protected, torch.tensor([r]), "clip")
+    window = [0, 2, 3, 5, 6, 7]  # the first 2r = 6 unprotected positions
+    s = slow_importance(h[0], "clip")
+    expect = sorted(window, key=lambda i: (s[i], i))[:r]
+    assert sorted(sel.src[0][sel.valid[0]].tolist()) == sorted(expect)
+    # with fewer unprotected tokens than 2r the window is all of them, and r still go
+    protected[0, 5:n] = True
+    sel = select("front", h, protected, torch.tensor([r]), "clip")
+    assert sorted(sel.src[0][sel.valid[0]].tolist()) == sorted(sorted([0, 2, 3], key=lambda i: (s[i], i))[:r])
+
+
 @pytest.mark.parametrize("n", [20, 33, 64])
 def test_reference_selection_thins_the_front(n):
     """method.md b.2: on strictly positive inputs the reference code removes 0, 2, ..., 2r-2 into token 1."""
@@ -268,7 +289,7 @@ def test_merge_weights_sum_to_one(strategy):
     assert torch.allclose(apply_plan(x, plan, strategy), torch.full((2, 15, 4), 3.25))
 
 
-@pytest.mark.parametrize("selection", ["importance_similarity", "bipartite", "reference", "importance"])
+@pytest.mark.parametrize("selection", ["importance_similarity", "bipartite", "reference", "importance", "front"])
 def test_order_last_token_protection_and_padding(selection):
     torch.manual_seed(5)
     B, N = 4, 23
@@ -281,7 +302,7 @@ def test_order_last_token_protection_and_padding(selection):
     protected[:, -1] = True
     protected[0, 4] = protected[1, 10] = True
     keep_ratio = 0.7
-    pairs = selection != "importance"
+    pairs = selection not in ("importance", "front")
     plan = make_plan(h, mask, protected, keep_ratio, selection, "clip", pairs)
     expect_removed = torch.tensor([documented_num_to_remove(n, keep_ratio, pairs) for n in lengths])
     assert plan.num_removed.tolist() == expect_removed.tolist()
@@ -327,7 +348,7 @@ def test_deterministic_under_ties():
     assert sorted(plan_pairs(plans[0])) == [(0, 8), (1, 8), (2, 8), (3, 8)]
 
 
-@pytest.mark.parametrize("selection", ["importance_similarity", "bipartite", "importance", "reference"])
+@pytest.mark.parametrize("selection", ["importance_similarity", "bipartite", "importance", "reference", "front"])
 def test_apply_plan_pair_equals_two_branches(selection):
     """The CPU two-branch apply (one gather of the kept rows, merged rows recomputed) equals the two separate
     applies bit for bit, for every pair of strategies, with padding and mixed dtypes."""
@@ -336,7 +357,7 @@ def test_apply_plan_pair_equals_two_branches(selection):
     mask = torch.ones(3, 41, dtype=torch.bool)
     mask[1, :9] = False
     plan = make_plan(h, mask, torch.zeros(3, 41, dtype=torch.bool), 0.7, selection, "clip",
-                     selection != "importance")
+                     selection not in ("importance", "front"))
     for sa in ("merge", "prune", "hybrid", "hybrid_channel"):
         for sb in ("merge", "prune", "hybrid", "hybrid_channel"):
             two = apply_plan(res, plan, sa, 0.5) + apply_plan(h, plan, sb, 0.5)
@@ -487,7 +508,7 @@ def test_frozen_bipartite_links_to_the_most_similar_unprotected_destination():
         assert d in allowed and cos[s, d] >= max(cos[s, j] for j in allowed) - 1e-4
 
 
-@pytest.mark.parametrize("selection", ["reference", "importance"])
+@pytest.mark.parametrize("selection", ["reference", "importance", "front"])
 def test_receive_false_is_refused_where_the_selection_has_no_rule_for_it(selection):
     h = torch.randn(1, 8, 4)
     with pytest.raises(ValueError, match="receive=False"):
