@@ -271,6 +271,13 @@ class TokenReductionConfig:
         for name in ("hidden_strategy", "residual_strategy"):
             if getattr(self, name) is not None:
                 _choice(name, getattr(self, name), STRATEGIES)
+        if self.q != 0.5 and not {self.hidden, self.residual} & {"hybrid", "hybrid_channel"}:
+            raise ValueError(
+                f"TokenReductionConfig.q={self.q:g} would have no effect: q is the share of selected tokens that the "
+                f"hybrid strategies prune, and method {self.method!r} uses {self.hidden} / {self.residual}; name a "
+                "method with a hybrid strategy (utrc, utrc_frozen, utrc_reference), set hidden_strategy='hybrid', "
+                "or leave q out"
+            )
         if (self.flops_reduction is None) == (self.keep_ratio is None):
             raise ValueError(
                 "TokenReductionConfig needs exactly one of flops_reduction (e.g. 0.2) or keep_ratio (e.g. 0.9); "

@@ -56,7 +56,7 @@ def test_zero_flops_is_identity():
 
 def test_round_trip_dict():
     cfg = TokenReductionConfig(method="tome", keep_ratio=0.75, anchors=[2, 4], metric="l2", q=0.25,
-                               hidden_strategy="merge", residual_strategy="prune")
+                               hidden_strategy="hybrid", residual_strategy="prune")
     d = cfg.to_dict()
     assert d["anchors"] == [2, 4] and isinstance(d["anchors"], list)
     assert TokenReductionConfig.from_dict(d) == cfg
@@ -71,6 +71,8 @@ def test_round_trip_dict():
         (dict(keep_ratio=0.0), ValueError, "keep_ratio"),
         (dict(keep_ratio=1.5), ValueError, "keep_ratio"),
         (dict(method="utrc", keep_ratio=0.3), ValueError, "at most half"),
+        (dict(keep_ratio=0.9, q=0.3), ValueError, "q=0.3 would have no effect"),  # the default prunes only
+        (dict(method="evit", keep_ratio=0.9, q=0.8, residual_strategy="merge"), ValueError, "uses prune / merge"),
         (dict(keep_ratio=math.nan), ValueError, "keep_ratio"),
         (dict(keep_ratio="0.9"), TypeError, "keep_ratio"),
         (dict(keep_ratio=True), TypeError, "keep_ratio"),

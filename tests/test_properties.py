@@ -125,9 +125,10 @@ def configs(draw, layers=LAYERS, max_keep=1.0, method=None):
             used = anchors if anchors is not None else hf_tokred.default_anchors(layers)
             top = proxy_flops_reduction(layers, used, max(min_keep, 0.05)) * 0.999
         kw = dict(flops_reduction=draw(st.floats(min_value=0.0 if max_keep == 1.0 else 0.05, max_value=top)))
-    return TokenReductionConfig(
+    hybrid = {hidden or spec.hidden, residual or spec.residual} & {"hybrid", "hybrid_channel"}
+    return TokenReductionConfig(  # q only where a hybrid strategy reads it (elsewhere the settings refuse it)
         method=method, anchors=anchors, metric=draw(st.sampled_from(sorted(METRICS))),
-        q=draw(q_values()), hidden_strategy=hidden, residual_strategy=residual, **kw,
+        q=draw(q_values()) if hybrid else 0.5, hidden_strategy=hidden, residual_strategy=residual, **kw,
     )
 
 
