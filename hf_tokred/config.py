@@ -272,12 +272,10 @@ class TokenReductionConfig:
             if getattr(self, name) is not None:
                 _choice(name, getattr(self, name), STRATEGIES)
         if self.q != 0.5 and not {self.hidden, self.residual} & {"hybrid", "hybrid_channel"}:
-            raise ValueError(
-                f"TokenReductionConfig.q={self.q:g} would have no effect: q is the share of selected tokens that the "
-                f"hybrid strategies prune, and method {self.method!r} uses {self.hidden} / {self.residual}; name a "
-                "method with a hybrid strategy (utrc, utrc_frozen, utrc_reference), set hidden_strategy='hybrid', "
-                "or leave q out"
-            )
+            raise ValueError(f"TokenReductionConfig.q={self.q:g} would have no effect: q is the share of selected tokens "
+                             f"that the hybrid strategies prune, and method {self.method!r} uses {self.hidden} / "
+                             f"{self.residual}; name a method with a hybrid strategy (utrc, utrc_frozen, "
+                             "utrc_reference), set hidden_strategy='hybrid', or leave q out")
         if (self.flops_reduction is None) == (self.keep_ratio is None):
             raise ValueError(
                 "TokenReductionConfig needs exactly one of flops_reduction (e.g. 0.2) or keep_ratio (e.g. 0.9); "
@@ -291,11 +289,8 @@ class TokenReductionConfig:
             set_(self, "keep_ratio", _real("keep_ratio", self.keep_ratio))
             lo = self.min_keep_ratio
             if not (lo <= self.keep_ratio <= 1.0 and self.keep_ratio > 0.0):
-                why = (
-                    f" (method {self.method!r} pairs every removed token with a kept one, so an anchor removes at most half)"
-                    if lo > 0
-                    else ""
-                )
+                why = (f" (method {self.method!r} pairs every removed token with a kept one, so an anchor removes at "
+                       "most half)" if lo > 0 else "")
                 interval = f"[{lo:g}, 1]" if lo > 0 else "(0, 1]"
                 raise ValueError(f"TokenReductionConfig.keep_ratio must be in {interval}{why}, got {self.keep_ratio}")
         if self.anchors is not None:

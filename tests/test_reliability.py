@@ -427,7 +427,8 @@ def test_plain_forward_uses_compiled_kernels_and_backward_matches_stock(monkeypa
 
 
 def test_numpy_numbers_are_accepted():
-    cfg = TokenReductionConfig(keep_ratio=np.float32(0.75), anchors=[np.int64(1), np.int32(3)], q=np.float64(0.25))
+    cfg = TokenReductionConfig(method="utrc", keep_ratio=np.float32(0.75), anchors=[np.int64(1), np.int32(3)],
+                               q=np.float64(0.25))
     assert cfg.keep_ratio == 0.75 and cfg.anchors == (1, 3) and type(cfg.anchors[0]) is int
     assert TokenReductionConfig(flops_reduction=np.float32(0.2), anchors=np.array([1, 3])).anchors == (1, 3)
     json.dumps(cfg.to_dict())
