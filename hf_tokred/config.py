@@ -93,6 +93,7 @@ METHODS: dict[str, MethodSpec] = {
 
 #: The method ``TokenReductionConfig()`` uses when none is named (README "Methods" says why).
 DEFAULT_METHOD = "front_prune"
+DEFAULT_Q = 0.5  # the hybrid strategies' pruned share unless the settings name one (the paper's setting)
 
 #: Importance metrics: the paper's Table 3 (from the anchor block's mixer output ``h``), and ``delta``.
 METRICS: dict[str, str] = {
@@ -252,7 +253,7 @@ class TokenReductionConfig:
     keep_ratio: float | None = None
     anchors: tuple[int, ...] | None = None
     metric: str | None = None
-    q: float = 0.5
+    q: float = DEFAULT_Q
     hidden_strategy: str | None = None
     residual_strategy: str | None = None
     protect_recent: float = 0.0
@@ -271,7 +272,7 @@ class TokenReductionConfig:
         for name in ("hidden_strategy", "residual_strategy"):
             if getattr(self, name) is not None:
                 _choice(name, getattr(self, name), STRATEGIES)
-        if self.q != 0.5 and not {self.hidden, self.residual} & {"hybrid", "hybrid_channel"}:
+        if self.q != DEFAULT_Q and not {self.hidden, self.residual} & {"hybrid", "hybrid_channel"}:
             raise ValueError(f"TokenReductionConfig.q={self.q:g} would have no effect: q is the share of selected tokens "
                              f"that the hybrid strategies prune, and method {self.method!r} uses {self.hidden} / "
                              f"{self.residual}; name a method with a hybrid strategy (utrc, utrc_frozen, "

@@ -207,11 +207,12 @@ def _select_importance(h, s, protected, r, metric, receive=True) -> Selection:
 FRONT_WINDOW = 2  # front looks at the oldest 2r unprotected tokens (the window the authors' code thins)
 
 
-def _select_front(h, s, protected, r, metric, receive=True) -> Selection:
-    """Content-aware front-thinning: EViT's rule (remove the least important) within the oldest
-    ``FRONT_WINDOW * r`` unprotected tokens, so recent context is never touched and important old tokens stay."""
-    beyond = (~protected).cumsum(1) > FRONT_WINDOW * r[:, None]
-    return _select_importance(h, s, protected | beyond, r, metric, receive)
+def _select_front(h, s, protected, r, metric, receive=True, window=FRONT_WINDOW,
+                  rule=_select_importance) -> Selection:
+    """Content-aware front-thinning: EViT's rule (remove the least important) within the oldest ``window * r``
+    unprotected tokens, so recent context is never touched and important old tokens stay."""
+    beyond = (~protected).cumsum(1) > window * r[:, None]
+    return rule(h, s, protected | beyond, r, metric, receive)
 
 
 _SELECTORS = {

@@ -36,6 +36,8 @@ METHOD_SELECTION = {
     "utrc_frozen": ("importance_similarity", True),
     "front_prune": ("front", False),
 }
+#: selections that do not pair tokens (an anchor may remove more than half)
+UNPAIRED = frozenset(sel for sel, pairs in METHOD_SELECTION.values() if not pairs)
 
 
 def random_rows(seed: int, lengths, low: int = 2, high: int = VOCAB) -> list[torch.Tensor]:

@@ -37,6 +37,7 @@ from conftest import examples, stock_forward, tiny_model
 from robust_helpers import (
     ATOL,
     METHOD_SELECTION,
+    UNPAIRED,
     assert_close_where_computed,
     documented_num_to_remove,
     expected_removed,
@@ -222,7 +223,6 @@ def test_tiny_keep_ratio_never_empties_a_row(n, keep):
 
 
 SELECTIONS = ["importance_similarity", "bipartite", "reference", "importance", "front"]
-UNPAIRED = ("importance", "front")  # selections that do not pair tokens (may remove more than half)
 
 
 @st.composite

@@ -8,6 +8,7 @@ import torch
 from hf_tokred.reduce import (Plan, apply_plan, apply_plan_pair, extend_plan, importance, make_plan, num_to_remove,
                               select)
 
+from robust_helpers import UNPAIRED
 from slow_reference import documented_merge_count, documented_num_to_remove
 
 # ----------------------------------------------------------------------------- slow references
@@ -302,7 +303,7 @@ def test_order_last_token_protection_and_padding(selection):
     protected[:, -1] = True
     protected[0, 4] = protected[1, 10] = True
     keep_ratio = 0.7
-    pairs = selection not in ("importance", "front")
+    pairs = selection not in UNPAIRED
     plan = make_plan(h, mask, protected, keep_ratio, selection, "clip", pairs)
     expect_removed = torch.tensor([documented_num_to_remove(n, keep_ratio, pairs) for n in lengths])
     assert plan.num_removed.tolist() == expect_removed.tolist()
@@ -357,7 +358,7 @@ def test_apply_plan_pair_equals_two_branches(selection):
     mask = torch.ones(3, 41, dtype=torch.bool)
     mask[1, :9] = False
     plan = make_plan(h, mask, torch.zeros(3, 41, dtype=torch.bool), 0.7, selection, "clip",
-                     selection not in ("importance", "front"))
+                     selection not in UNPAIRED)
     for sa in ("merge", "prune", "hybrid", "hybrid_channel"):
         for sb in ("merge", "prune", "hybrid", "hybrid_channel"):
             two = apply_plan(res, plan, sa, 0.5) + apply_plan(h, plan, sb, 0.5)
