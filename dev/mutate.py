@@ -61,7 +61,7 @@ class Target:
 # The modules of the core, the functions mutated in each, and the tests that cover them, in stages: each stage is
 # one pytest run (-x), the next runs only if it passes, so most mutants are killed by a small, fast first stage.
 _LOOP_TESTS = (
-    ("tests/test_model.py",),
+    ("tests/test_model.py", "tests/test_budget.py", "tests/test_question.py"),
     ("tests/test_oracles.py::test_reduced_backward_equals_slow_reference",
      "tests/test_oracles.py::test_dense_backward_equals_stock_in_a_fresh_process",
      "tests/test_kernels.py::test_reducing_model_cuda_branch"),
@@ -71,13 +71,18 @@ _SCAN_TESTS = (("tests/test_scan.py",), ("tests/test_oracles.py", "tests/test_fa
 _CPU_TESTS = (("tests/test_fastpath.py",), ("tests/test_scan.py", "tests/test_oracles.py", "tests/test_reduce.py"))
 TARGETS = {
     "reduce": Target("hf_tokred/reduce.py", (), (
-        ("tests/test_reduce.py",),
+        ("tests/test_reduce.py", "tests/test_select.py"),
         ("tests/test_kernels.py", "tests/test_reference_parity.py", "tests/test_model.py"),
         ("tests/test_properties.py", "tests/test_oracles.py::test_reduced_backward_equals_slow_reference",
          "tests/test_batch.py"))),
+    "select": Target("hf_tokred/select.py", (), (
+        ("tests/test_reduce.py", "tests/test_select.py"),
+        ("tests/test_kernels.py", "tests/test_reference_parity.py", "tests/test_model.py", "tests/test_question.py"),
+        ("tests/test_properties.py", "tests/test_batch.py"))),
     "loop": Target("hf_tokred/loop.py", (
         "check_shapes", "_protected_for", "_mamba_use_cache", "_is_fresh", "_apply_both", "_Captured.__call__", "_Captured.get",
-        "_step_sizes", "_anchor_block", "_initial_protection", "reduced_backbone"), _LOOP_TESTS),
+        "_step_sizes", "_anchor_block", "_initial_protection", "_Tokens.shrink", "_question_mask", "_warn_over_budget",
+        "reduced_backbone"), _LOOP_TESTS),
     "forwards": Target("hf_tokred/forwards.py", ("reduced_loss", "_logits", "lm_forward", "backbone_forward"),
                        _LOOP_TESTS),
     "outputs": Target("hf_tokred/outputs.py", ("scatter_to_positions", "computed_mask"), _LOOP_TESTS),
@@ -95,17 +100,21 @@ TARGETS = {
         "mamba1_layer_flops", "mamba2_layer_flops", "_pre_norm_residual", "hybrid_layer_kinds", "bamba_layer_flops",
         "granite_hybrid_layer_flops", "nemotron_h_layer_flops", "bamba_feed_forward", "granite_hybrid_feed_forward"),
         (("tests/test_flops.py", "tests/test_hybrid.py"),)),
-    "schedule": Target("hf_tokred/schedule.py", ("schedule_reduction", "ssm_anchors", "solve_keep_ratio"), (
-        ("tests/test_config.py", "tests/test_hybrid.py"),)),
+    "schedule": Target("hf_tokred/schedule.py", (
+        "schedule_reduction", "ssm_anchors", "solve_keep_ratio", "check_depth", "default_anchors", "budget_anchors",
+        "proxy_flops_reduction", "schedule_fractions", "schedule_proxy_reduction", "merge_count", "removal_count",
+        "budget_removal_count", "ResolvedSchedule.removal", "ResolvedSchedule.layer_lengths",
+        "ResolvedSchedule.check_budget"), (
+        ("tests/test_config.py", "tests/test_budget.py", "tests/test_reduce.py", "tests/test_hybrid.py"),
+        ("tests/test_properties.py", "tests/test_model.py"))),
     "hybrid": Target("hf_tokred/hybrid.py", (
         "causal_mask", "default_positions", "note_seen", "AttentionLayers.shrink", "AttentionLayers._kv_real",
         "AttentionLayers.__call__"), (("tests/test_hybrid.py",),)),
     "config": Target("hf_tokred/config.py", (
-        "default_anchors", "proxy_flops_reduction", "schedule_fractions", "schedule_proxy_reduction", "merge_count",
-        "removal_count", "ResolvedSchedule.layer_lengths", "TokenReductionConfig.__post_init__",
+        "TokenReductionConfig.__post_init__",
         "TokenReductionConfig._check_anchors", "TokenReductionConfig.min_keep_ratio", "TokenReductionConfig.hidden",
-        "TokenReductionConfig.residual", "TokenReductionConfig.resolve", "_check_depth", "_real"), (
-        ("tests/test_reduce.py", "tests/test_config.py"), ("tests/test_properties.py", "tests/test_model.py"),
+        "TokenReductionConfig.residual", "TokenReductionConfig.resolve", "_real", "_count"), (
+        ("tests/test_reduce.py", "tests/test_config.py", "tests/test_budget.py"), ("tests/test_properties.py", "tests/test_model.py"),
         ("tests/test_batch.py", "tests/test_reliability.py"))),
 }
 
@@ -135,13 +144,13 @@ PLANTED = [  # (id, module, old, new, what it models)
      "dt = dt + delta_bias.detach().float()[:, None]", "the gradient of the dt bias is dropped"),
     ("carry-decay-last", "scan", "next_state = (decay[:, -1] * state)", "next_state = (decay[:, -2] * state)",
      "the carried state uses the wrong step's decay"),
-    ("keep-guard-removed", "config", "keep = math.ceil(n * keep_ratio - 1e-9)", "keep = math.ceil(n * keep_ratio)",
+    ("keep-guard-removed", "schedule", "keep = math.ceil(n * keep_ratio - 1e-9)", "keep = math.ceil(n * keep_ratio)",
      "the rounding guard of the removal count is removed"),
-    ("keep-guard-wrong-side", "config", "keep = math.ceil(n * keep_ratio - 1e-9)",
+    ("keep-guard-wrong-side", "schedule", "keep = math.ceil(n * keep_ratio - 1e-9)",
      "keep = math.ceil(n * keep_ratio + 1e-9)", "the rounding guard pushes the wrong way"),
-    ("merge-guard-removed", "config", "return math.floor(r * (1.0 - q) + 1e-9)", "return math.floor(r * (1.0 - q))",
+    ("merge-guard-removed", "schedule", "return math.floor(r * (1.0 - q) + 1e-9)", "return math.floor(r * (1.0 - q))",
      "the hybrid merge count loses its rounding guard"),
-    ("q-inverted", "config", "return math.floor(r * (1.0 - q) + 1e-9)", "return math.floor(r * q + 1e-9)",
+    ("q-inverted", "schedule", "return math.floor(r * (1.0 - q) + 1e-9)", "return math.floor(r * q + 1e-9)",
      "hybrid merge count: q read as the merge share (inverted)"),
     ("q-inverted-hybrid", "reduce", "n_merge = _merge_counts(valid, q)", "n_merge = _merge_counts(valid, 1 - q)",
      "token-level hybrid: q inverted"),
@@ -205,14 +214,14 @@ PLANTED = [  # (id, module, old, new, what it models)
 # "<module>:<stripped source line>:<column in it>:<old>-><new>", matched on the line's text so that unrelated edits
 # elsewhere keep it; planted: their id).  ``--list-keys`` prints the keys.
 EQUIVALENT: dict[str, str] = {
-    "reduce:j = min(m, i + _SIM_BLOCK):4:min->max":
+    "select:j = min(m, i + _SIM_BLOCK):4:min->max":
         "the block end past m slices the same rows (one bigger block: memory differs, results do not)",
-    "reduce:R = int(r.max()) if r.numel() else 0:35:0->1":
+    "select:R = int(r.max()) if r.numel() else 0:35:0->1":
         "only for an empty batch, where a width of 1 selects nothing either (the validity mask is empty)",
-    "reduce:if h.shape[1] < 2 or int(r.max()) == 0::16:2->1":
+    "select:if h.shape[1] < 2 or int(r.max()) == 0::16:2->1":
         "a shortcut: a row of one token has r = 0 (nothing can be removed from it), and every selector returns an "
         "empty selection for r = 0 by itself",
-    "reduce:if h.shape[1] < 2 or int(r.max()) == 0::18:or->and":
+    "select:if h.shape[1] < 2 or int(r.max()) == 0::18:or->and":
         "the same shortcut: fewer than two tokens implies r = 0, and r = 0 selects nothing in every selector",
     "reduce:keep = torch.sort(torch.where(kept, ar, -1), dim=1).values[:, N - M :]:41:1->2":
         "the sentinel of a removed column only has to sort below every position: -2 does as -1 does",

@@ -19,7 +19,7 @@ import json
 import sys
 from pathlib import Path
 
-from hf_tokred import config, reduce
+from hf_tokred import config, select
 from hf_tokred.config import MethodSpec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -28,8 +28,8 @@ import quality_table  # noqa: E402
 
 def register_window_variants() -> None:
     for w in (2, 3, 4):
-        for kind, rule in (("front", reduce._select_importance), ("fsim", reduce._select_importance_similarity)):
-            reduce._SELECTORS[f"{kind}{w}"] = functools.partial(reduce._select_front, window=w, rule=rule)
+        for kind, rule in (("front", select._select_importance), ("fsim", select._select_importance_similarity)):
+            select._SELECTORS[f"{kind}{w}"] = functools.partial(select._select_front, window=w, rule=rule)
             config.METHODS[f"{kind}{w}_prune"] = MethodSpec(f"{kind}{w}", "prune", "prune", False, "probe")
 
 

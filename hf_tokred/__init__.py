@@ -11,6 +11,7 @@ Importing the package installs the hooks that make ``token_reduction=`` work on 
 from .config import METHODS, METRICS, STRATEGIES, ResolvedSchedule, TokenReductionConfig, default_anchors
 from .install import install, installed, set_fast_kernels, uninstall
 from .models import load_bundled, load_model
+from .question import encode_document_question
 from .outputs import ReductionRecord, TokenReductionCausalLMOutput, TokenReductionModelOutput, record_reduction
 from .settings import apply_token_reduction, get_token_reduction
 from .version import __version__
@@ -29,6 +30,7 @@ __all__ = [
     "__version__",
     "apply_token_reduction",
     "default_anchors",
+    "encode_document_question",
     "get_token_reduction",
     "install",
     "installed",

@@ -21,7 +21,7 @@ import torch
 from tqdm.auto import tqdm
 
 from . import fastpath
-from .config import DEFAULT_METHOD
+from .config import DEFAULT_METHOD, TokenReductionConfig
 from .compat import cache_kwargs, cache_of, layer_cache_kwargs
 from .families import family_of
 from .flops import flops_reduction, measured_proxy_reduction
@@ -162,8 +162,9 @@ def _row(s: BenchSetting, dense: float, config, batch: int, length: int, decode_
         "peak_mib": s.extra.get("peak_mib"),
         "kv_cache_mib": s.extra.get("kv_cache_mib") or None,  # hybrids: reduced keys/values after the prefill
     }
-    if s.token_reduction:
-        row["ideal_speedup"] = 1 / (1 - s.token_reduction["flops_reduction"])
+    if s.token_reduction:  # a FLOPs target's ideal, or (a token budget) the proxy this length reached
+        target = s.token_reduction.get("flops_reduction")
+        row["ideal_speedup"] = 1 / (1 - (row["flops_reduction_proxy"] if target is None else target))
     return row
 
 
@@ -172,7 +173,7 @@ def run_bench(
     batch: int = 1,
     length: int = 2048,
     flops: tuple[float, ...] = (0.1, 0.2, 0.3),
-    method: str = DEFAULT_METHOD,
+    method: str | None = None,
     repeats: int = 3,
     warmup: int = 1,
     decode_tokens: int = 16,
@@ -183,8 +184,11 @@ def run_bench(
     dtype: str = "float32",
     progress: bool = True,
     memory_logits: str = "last",
+    keep_tokens: tuple[int, ...] = (),
+    match_window: int | None = None,
 ) -> dict[str, Any]:
-    """Run the benchmark and return a JSON-safe result dict (see ``print_table``)."""
+    """Run the benchmark and return a JSON-safe result dict (see ``print_table``): dense, each FLOPs level and
+    each token budget (``keep_tokens``) of ``method`` (default: the config's default for that level)."""
     if threads:
         torch.set_num_threads(threads)
     dev = torch.device(device)
@@ -197,7 +201,11 @@ def run_bench(
     settings = [BenchSetting("dense", None)]
     if compare_stock:
         settings.append(BenchSetting("stock transformers (dense)", None, stock=True))
-    settings += [BenchSetting(f"{method} {f:.0%}", {"method": method, "flops_reduction": f}) for f in flops]
+    extra = {} if match_window is None else {"match_window": match_window}
+    levels = [("flops_reduction", f, f"{f:.0%}") for f in flops] + [("keep_tokens", k, f"K={k}") for k in keep_tokens]
+    for name, value, label in levels:
+        cfg = TokenReductionConfig(method=method, **{name: value}, **extra).to_dict()
+        settings.append(BenchSetting(f"{cfg['method']} {label}", cfg))
 
     for _ in tqdm(range(warmup), desc="warm-up", disable=not progress or not warmup):
         for s in settings:
@@ -223,7 +231,7 @@ def run_bench(
         "model": model_spec,
         "batch": batch,
         "length": length,
-        "method": method,
+        "method": method or DEFAULT_METHOD,
         "repeats": repeats,
         "warmup": warmup,
         "decode_tokens": decode_tokens,

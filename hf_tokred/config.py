@@ -1,8 +1,8 @@
-"""`TokenReductionConfig`: the user-facing settings, their validation, and the schedule solver.
+"""`TokenReductionConfig`: the user-facing settings and their validation (the schedules they resolve to: schedule.py).
 
 A config is a small frozen dataclass that round-trips through a plain JSON dict (that dict is what
 lives in ``model.config.token_reduction`` and in ``config.json``).  ``resolve(num_hidden_layers)``
-turns it into the concrete schedule that will run: anchor layers and a per-anchor keep ratio.
+turns it into the concrete schedule that will run: anchor layers and a per-anchor keep ratio or a token budget.
 """
 
 from __future__ import annotations
@@ -12,7 +12,9 @@ import numbers
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Mapping, Sequence
 
-from .schedule import schedule_reduction, solve_keep_ratio, ssm_anchors
+from .schedule import (ResolvedSchedule, budget_anchors, budget_removal_count, check_depth, default_anchors, merge_count,
+                       proxy_flops_reduction, removal_count, schedule_fractions, schedule_proxy_reduction,
+                       schedule_reduction, solve_keep_ratio, ssm_anchors)
 from .version import __version__
 
 try:  # numpy's bool is not a Python bool but must not pass as a number
@@ -24,10 +26,15 @@ __all__ = [
     "METHODS",
     "METRICS",
     "STRATEGIES",
+    "DEFAULT_MATCH_WINDOW",
     "DEFAULT_METHOD",
+    "LEVELS",
+    "LONG_CONTEXT_METHOD",
     "MethodSpec",
     "ResolvedSchedule",
     "TokenReductionConfig",
+    "budget_anchors",
+    "budget_removal_count",
     "default_anchors",
     "merge_count",
     "proxy_flops_reduction",
@@ -51,6 +58,7 @@ class MethodSpec:
     summary: str
     metric: str = "clip"  # the importance metric it uses unless the settings name one
     protected_receive: bool = True  # protected tokens may be merge destinations (False: they stay untouched)
+    rerun: bool = False  # the plan prunes the anchor's input and the anchor block runs on the kept tokens
 
 
 METHODS: dict[str, MethodSpec] = {
@@ -83,6 +91,14 @@ METHODS: dict[str, MethodSpec] = {
         "Content-aware front-thinning: prune the least important of the oldest 2r unprotected tokens at each anchor "
         "(hf_tokred's method, the recommended default: the authors' front window, chosen by importance).",
     ),
+    "prefilter": MethodSpec(
+        "lookahead", "prune", "prune", False,
+        "Score with a first pass of the anchor block, then prune before it: the anchor and every later block run on "
+        "the most important tokens and the 3 before each (hf_tokred's long-context method, the default of "
+        "keep_tokens: later blocks see a short, whole sequence, which gives back the recall a Mamba loses past its "
+        "training length).",
+        rerun=True,
+    ),
     "utrc_frozen": MethodSpec(
         "importance_similarity", "hybrid", "merge", True,
         "UTRC whose protected tokens (the last token, scored positions) are never merge destinations: they stay "
@@ -93,7 +109,16 @@ METHODS: dict[str, MethodSpec] = {
 
 #: The method ``TokenReductionConfig()`` uses when none is named (README "Methods" says why).
 DEFAULT_METHOD = "front_prune"
-DEFAULT_Q = 0.5  # the hybrid strategies' pruned share unless the settings name one (the paper's setting)
+#: The method a token budget (``keep_tokens``) uses when none is named (README "Long prompts" says why).
+LONG_CONTEXT_METHOD = "prefilter"
+DEFAULT_Q = 0.5
+#: The similarity selections match each candidate among this many destinations near it at most (0: all of them,
+#: the exact global matching); README "Long prompts" has the cost and what it changes.
+DEFAULT_MATCH_WINDOW = 1024
+#: selections whose matching ``match_window`` bounds
+WINDOWED_SELECTIONS = ("importance_similarity", "bipartite")
+#: The fields that set how much is reduced; a config names exactly one.
+LEVELS = ("flops_reduction", "keep_ratio", "keep_tokens")  # the hybrid strategies' pruned share unless the settings name one (the paper's setting)
 
 #: Importance metrics: the paper's Table 3 (from the anchor block's mixer output ``h``), and ``delta``.
 METRICS: dict[str, str] = {
@@ -113,100 +138,11 @@ STRATEGIES: dict[str, str] = {
     "hybrid_channel": "per channel: merge the top (1-q) share of selected values, prune the others (reference code)",
 }
 
-# The paper's anchor layers for the checkpoint depths it evaluates (method.md, b.4).
-_PAPER_ANCHORS: dict[int, tuple[int, ...]] = {
-    64: (12, 17, 22, 27, 32, 37, 42),
-    48: (10, 15, 20, 25, 30, 35),
-}
-_RULE_DEPTH = 64
-
-
-def default_anchors(num_hidden_layers: int) -> tuple[int, ...]:
-    """Anchor layers (0-based, reduce *after* them) for a model of the given depth.
-
-    Depths 48 and 64 use the paper's anchors.  Any other depth scales the 64-layer rule
-    (first anchor 12, then every 5 layers, 7 anchors) proportionally: anchor ``a`` becomes
-    ``floor(a * L / 64 + 0.5)``; duplicates and anchors past ``L - 2`` are dropped, so every anchor
-    leaves at least one block that runs on the reduced sequence.
-    """
-    _check_depth(num_hidden_layers)
-    if num_hidden_layers in _PAPER_ANCHORS:
-        return _PAPER_ANCHORS[num_hidden_layers]
-    scaled = (math.floor(a * num_hidden_layers / _RULE_DEPTH + 0.5) for a in _PAPER_ANCHORS[_RULE_DEPTH])
-    return tuple(sorted({a for a in scaled if a <= num_hidden_layers - 2}))
-
-
-def proxy_flops_reduction(fractions: Sequence[float]) -> float:
-    """The paper's FLOPs measure: ``1 - mean_l fraction_l``, with ``fraction_l`` the share of the tokens that
-    block ``l`` processes."""
-    return 1.0 - sum(fractions) / len(fractions)
-
-
-def schedule_fractions(num_hidden_layers: int, anchors: Sequence[int], keep_ratio: float) -> list[float]:
-    """Share of the tokens each block processes in the long-sequence limit: ``keep_ratio ** (anchors before l)``
-    (an anchor block itself still sees its full input)."""
-    anchors = sorted(anchors)
-    return [keep_ratio ** sum(a < layer for a in anchors) for layer in range(num_hidden_layers)]
-
-
-def schedule_proxy_reduction(num_hidden_layers: int, anchors: Sequence[int], keep_ratio: float) -> float:
-    """:func:`proxy_flops_reduction` of a schedule in the long-sequence limit (rounding makes short sequences
-    reduce less)."""
-    return proxy_flops_reduction(schedule_fractions(num_hidden_layers, anchors, keep_ratio))
-
-
-def merge_count(r: int, q: float) -> int:
-    """How many of ``r`` selected tokens the hybrid strategies merge: ``floor(r * (1 - q))`` in double precision,
-    the ``1e-9`` absorbing float noise (``5 * (1 - 0.8)`` is ``0.9999999999999998``)."""
-    return math.floor(r * (1.0 - q) + 1e-9)
-
-
-def removal_count(n: int, keep_ratio: float, pairs: bool) -> int:
-    """Tokens an anchor removes from a row of ``n`` real tokens: ``n - ceil(n * keep_ratio)`` (a non-empty row
-    keeps at least one), capped at ``n // 2`` when every removed token is paired with a kept one.  The ``1e-9``
-    absorbs float noise in ``n * keep_ratio`` (``100 * 0.55`` is ``55.00000000000001``)."""
-    keep = math.ceil(n * keep_ratio - 1e-9)
-    if n > 0:
-        keep = max(keep, 1)
-    r = n - keep
-    if pairs:
-        r = min(r, n // 2)
-    return max(r, 0)
-
-
-@dataclass(frozen=True)
-class ResolvedSchedule:
-    """What will run on a model of a given depth."""
-
-    num_hidden_layers: int
-    anchors: tuple[int, ...]
-    keep_ratio: float
-    flops_reduction: float  # the paper's proxy (1 - mean fraction of tokens per layer), long-sequence limit
-    pairs: bool = True  # the method pairs removed tokens with kept ones (an anchor removes at most half)
-
-    def layer_lengths(self, length: int) -> list[int]:
-        """Tokens each block processes for one sequence of ``length`` tokens (nothing protected)."""
-        lengths, n = [], length
-        for layer in range(self.num_hidden_layers):
-            lengths.append(n)
-            if layer in self.anchors:
-                n -= removal_count(n, self.keep_ratio, self.pairs)
-        return lengths
-
-    def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "anchors": list(self.anchors)}
-
-
 def setting_text(value: Any, sep: str = ",") -> str:
     """A setting's value as text: anchors joined by ``sep``, numbers in ``:g`` form (labels, command lines)."""
     if isinstance(value, tuple):
         return sep.join(map(str, value))
     return f"{value:g}" if isinstance(value, float) else str(value)
-
-
-def _check_depth(num_hidden_layers: Any) -> None:
-    if isinstance(num_hidden_layers, bool) or not isinstance(num_hidden_layers, int) or num_hidden_layers < 1:
-        raise ValueError(f"num_hidden_layers must be a positive int, got {num_hidden_layers!r}")
 
 
 def _real(name: str, value: Any) -> float:
@@ -217,6 +153,15 @@ def _real(name: str, value: Any) -> float:
     if not math.isfinite(value):
         raise ValueError(f"TokenReductionConfig.{name} must be finite, got {value!r}")
     return value
+
+
+def _count(name: str, value: Any) -> int:
+    """A positive whole-number setting (Python or numpy int, not bool) as an int."""
+    if isinstance(value, (bool, np_bool)) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"TokenReductionConfig.{name} must be a positive int, got {type(value).__name__} {value!r}")
+    if int(value) < 1:
+        raise ValueError(f"TokenReductionConfig.{name} must be a positive int, got {int(value)}")
+    return int(value)
 
 
 def _choice(name: str, value: Any, allowed: Mapping[str, Any]) -> str:
@@ -246,9 +191,16 @@ class TokenReductionConfig:
         q: share of the selected tokens that the hybrid strategy prunes (the rest are merged), in ``[0, 1]``.
         hidden_strategy / residual_strategy: override the method's strategy for a branch (ablations).
         protect_recent: share of each sequence's most recent tokens that no anchor removes, in ``[0, 1)``.
+        keep_tokens: a token budget instead of a ratio: every block after the last anchor processes at most this
+            many tokens of each sequence (padding excluded; protected tokens always survive); sequences of at most
+            ``keep_tokens`` tokens are not reduced.  Without ``method`` it picks ``LONG_CONTEXT_METHOD``, without
+            ``anchors`` the first SSM layer (:func:`hf_tokred.schedule.budget_anchors`).
+        match_window: the similarity-matching methods (utrc, utrc_frozen, tome, prune_only, merge_only) match each
+            candidate among at most this many destinations near it, so their cost stays linear in the length;
+            ``0`` is the exact global matching (identical up to ``2 * match_window`` tokens).
     """
 
-    method: str = DEFAULT_METHOD
+    method: str | None = None  # None: DEFAULT_METHOD, or LONG_CONTEXT_METHOD with keep_tokens
     flops_reduction: float | None = None
     keep_ratio: float | None = None
     anchors: tuple[int, ...] | None = None
@@ -257,12 +209,16 @@ class TokenReductionConfig:
     hidden_strategy: str | None = None
     residual_strategy: str | None = None
     protect_recent: float = 0.0
+    keep_tokens: int | None = None
+    match_window: int = DEFAULT_MATCH_WINDOW
 
     def __post_init__(self) -> None:
+        set_ = object.__setattr__
+        if self.method is None:
+            set_(self, "method", DEFAULT_METHOD if self.keep_tokens is None else LONG_CONTEXT_METHOD)
         _choice("method", self.method, METHODS)
         if self.metric is not None:
             _choice("metric", self.metric, METRICS)
-        set_ = object.__setattr__
         set_(self, "q", _real("q", self.q))
         if not 0.0 <= self.q <= 1.0:
             raise ValueError(f"TokenReductionConfig.q must be in [0, 1], got {self.q}")
@@ -272,16 +228,33 @@ class TokenReductionConfig:
         for name in ("hidden_strategy", "residual_strategy"):
             if getattr(self, name) is not None:
                 _choice(name, getattr(self, name), STRATEGIES)
+                if self.spec.rerun and getattr(self, name) != "prune":
+                    raise ValueError(f"TokenReductionConfig.{name}={getattr(self, name)!r} has no meaning for method "
+                                     f"{self.method!r}: it prunes the anchor's input, before the block splits into "
+                                     "branches; leave the strategies out")
         if self.q != DEFAULT_Q and not {self.hidden, self.residual} & {"hybrid", "hybrid_channel"}:
             raise ValueError(f"TokenReductionConfig.q={self.q:g} would have no effect: q is the share of selected tokens "
                              f"that the hybrid strategies prune, and method {self.method!r} uses {self.hidden} / "
                              f"{self.residual}; name a method with a hybrid strategy (utrc, utrc_frozen, "
                              "utrc_reference), set hidden_strategy='hybrid', or leave q out")
-        if (self.flops_reduction is None) == (self.keep_ratio is None):
-            raise ValueError(
-                "TokenReductionConfig needs exactly one of flops_reduction (e.g. 0.2) or keep_ratio (e.g. 0.9); "
-                f"got flops_reduction={self.flops_reduction!r}, keep_ratio={self.keep_ratio!r}"
-            )
+        if isinstance(self.match_window, (bool, np_bool)) or not isinstance(self.match_window, numbers.Integral):
+            raise TypeError(f"TokenReductionConfig.match_window must be an int (0: exact global matching), got "
+                            f"{type(self.match_window).__name__} {self.match_window!r}")
+        if self.match_window < 0:
+            raise ValueError(f"TokenReductionConfig.match_window must be >= 0 (0: exact global matching), got "
+                             f"{self.match_window}")
+        set_(self, "match_window", int(self.match_window))
+        if self.match_window != DEFAULT_MATCH_WINDOW and self.spec.selection not in WINDOWED_SELECTIONS:
+            raise ValueError(f"TokenReductionConfig.match_window={self.match_window} would have no effect: method "
+                             f"{self.method!r} does not match tokens by similarity (only utrc, utrc_frozen, tome, "
+                             "prune_only and merge_only do); leave match_window out")
+        levels = {name: getattr(self, name) for name in LEVELS if getattr(self, name) is not None}
+        if len(levels) != 1:
+            got = ", ".join(f"{k}={v!r}" for k, v in levels.items()) or "none"
+            raise ValueError("TokenReductionConfig needs exactly one level: flops_reduction (e.g. 0.2), keep_ratio "
+                             f"(e.g. 0.9) or keep_tokens (e.g. 2048, a token budget); got {got}")
+        if self.keep_tokens is not None:
+            set_(self, "keep_tokens", _count("keep_tokens", self.keep_tokens))
         if self.flops_reduction is not None:
             set_(self, "flops_reduction", _real("flops_reduction", self.flops_reduction))
             if not 0.0 <= self.flops_reduction < 1.0:
@@ -354,10 +327,14 @@ class TokenReductionConfig:
 
         Hybrids pass ``ssm_layers`` (the only layers an anchor may sit on; the default anchors move onto them) and
         ``layer_costs`` (see :func:`schedule_reduction`; a ``flops_reduction`` target then weighs the layers)."""
-        _check_depth(num_hidden_layers)
-        anchors = self.anchors if self.anchors is not None else default_anchors(num_hidden_layers)
-        if self.anchors is None and ssm_layers is not None:
-            anchors = ssm_anchors(anchors, ssm_layers, num_hidden_layers)
+        check_depth(num_hidden_layers)
+        anchors = self.anchors
+        if anchors is None and self.keep_tokens is not None:
+            anchors = budget_anchors(range(num_hidden_layers) if ssm_layers is None else ssm_layers)
+        elif anchors is None:
+            anchors = default_anchors(num_hidden_layers)
+            if ssm_layers is not None:
+                anchors = ssm_anchors(anchors, ssm_layers, num_hidden_layers)
         if not anchors:
             raise ValueError(
                 f"a {num_hidden_layers}-layer model is too shallow for the default anchor rule; pass anchors=[...]"
@@ -380,13 +357,18 @@ class TokenReductionConfig:
                 f"(an anchor's importance comes from its SSM mixer); pick anchors among the SSM layers "
                 f"{list(ssm_layers)}, or omit anchors to use the default rule"
             )
+        if self.keep_tokens is not None:  # the long-sequence limit of a budget: nothing after the first anchor
+            return ResolvedSchedule(num_hidden_layers, tuple(anchors), None,
+                                    schedule_reduction(num_hidden_layers, anchors, 0.0, layer_costs), self.spec.pairs,
+                                    self.keep_tokens, self.spec.rerun)
         if self.keep_ratio is not None:
             keep = self.keep_ratio
         else:
             keep = solve_keep_ratio(num_hidden_layers, anchors, self.flops_reduction, max(self.min_keep_ratio, 1e-6),
                                     layer_costs)
         return ResolvedSchedule(num_hidden_layers, tuple(anchors), keep,
-                                schedule_reduction(num_hidden_layers, anchors, keep, layer_costs), self.spec.pairs)
+                                schedule_reduction(num_hidden_layers, anchors, keep, layer_costs), self.spec.pairs,
+                                rerun=self.spec.rerun)
 
     # ------------------------------------------------------------------ (de)serialisation
 

@@ -23,8 +23,10 @@ __all__ = ["backbone_forward", "generate", "lm_forward", "reduced_loss"]
 
 _BACKBONE_KEYS = (
     "input_ids", "inputs_embeds", "cache", "use_cache", "output_hidden_states", "attention_mask", "protected_mask",
-    "position_ids",
+    "position_ids", "question_length",
 )
+#: what a reducing forward takes besides stock's arguments (a dense forward drops them: nothing is reduced there)
+_REDUCTION_KEYS = ("protected_mask", "question_length")
 
 
 def _bind(signature: inspect.Signature, self, args, kwargs) -> dict[str, Any]:
@@ -54,7 +56,8 @@ def backbone_forward(original):
     def forward(self, *args, **kwargs):
         settings = active(self)
         if settings is None:
-            kwargs.pop("protected_mask", None)  # nothing is reduced, so every position survives
+            for key in _REDUCTION_KEYS:  # nothing is reduced, so every position survives as it is
+                kwargs.pop(key, None)
             return original(self, *args, **kwargs)
         p = _bind(signature, self, args, kwargs)
         return_dict = p.pop("return_dict", None)
@@ -127,8 +130,9 @@ def lm_forward(original):
     def forward(self, *args, **kwargs):
         settings = active(self)
         compact = kwargs.pop("compact_logits", False)
-        if settings is None:
-            kwargs.pop("protected_mask", None)  # every position is computed: compact and aligned logits agree
+        if settings is None:  # every position is computed as it is: compact and aligned logits agree
+            for key in _REDUCTION_KEYS:
+                kwargs.pop(key, None)
             return original(self, *args, **kwargs)
         p = _bind(signature, self, args, kwargs)
         labels, logits_to_keep = p.pop("labels"), p.pop("logits_to_keep")
@@ -165,10 +169,11 @@ def lm_forward(original):
 def generate(original):
     """``generate()`` on a reducing model reduces the prompt only, with or without a cache (a no-cache step
     re-runs prompt + generated tokens; the generated tokens are kept as they are), and takes
-    ``protected_mask [batch, prompt length]`` for the prompt."""
+    ``protected_mask [batch, prompt length]`` for the prompt and ``question_length`` (the prompt's last tokens are a
+    question, kept exactly as written)."""
 
     @functools.wraps(original)
-    def wrapper(self, inputs=None, *args, protected_mask=None, **kwargs):
+    def wrapper(self, inputs=None, *args, protected_mask=None, question_length=None, **kwargs):
         if active(self) is None:  # nothing is reduced: every position survives anyway
             return original(self, inputs, *args, **kwargs)
         prompt = next((x for x in (inputs, kwargs.get("input_ids"), kwargs.get("inputs_embeds")) if x is not None), None)
@@ -179,7 +184,7 @@ def generate(original):
             if tuple(protected_mask.shape) != tuple(prompt.shape[:2]):
                 raise ValueError(f"protected_mask must have the prompt's shape {tuple(prompt.shape[:2])} "
                                  f"(batch, prompt length), got {tuple(protected_mask.shape)}")
-        with generation_prompt(prompt.shape[1], protected_mask):
+        with generation_prompt(prompt.shape[1], protected_mask, question_length):
             return original(self, inputs, *args, **kwargs)
 
     wrapper._hf_tokred_original = original

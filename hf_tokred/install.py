@@ -9,6 +9,8 @@
   (:mod:`hf_tokred.loading`);
 * a ``token_reduction`` property on the supported config classes (:func:`hf_tokred.settings.settings_property`);
 * the settings-only variant's registration with ``AutoConfig`` / ``AutoModelForCausalLM``;
+* ``preprocess`` / ``_forward`` of ``TextGenerationPipeline``, for its ``question=`` argument
+  (:mod:`hf_tokred.question`);
 * with ``fast_kernels`` (default; :func:`set_fast_kernels` switches them on their own): the Mamba-1 scan and
   convolution functions of ``modeling_mamba`` and ``modeling_falcon_mamba`` (:mod:`hf_tokred.fastpath`; the
   families table names them), and a log filter that drops
@@ -25,7 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 import transformers
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, TextGenerationPipeline
 from transformers.models.auto import modeling_auto
 from transformers.models.auto.auto_factory import _BaseAutoModelClass
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
@@ -35,6 +37,7 @@ from .compat import check_transformers_version
 from .families import FAMILIES
 from .forwards import backbone_forward, generate, lm_forward
 from .loading import auto_config_from_pretrained, auto_model_from_pretrained, model_from_pretrained
+from .question import pipeline_forward, pipeline_preprocess
 from .settings import settings_property
 from .variant import VARIANT_MODEL_TYPE, TokenReductionVariant, TokenReductionVariantConfig
 
@@ -136,6 +139,8 @@ def install(fast_kernels: bool | None = None) -> None:
         for auto_class in _auto_classes():
             _CORE.wrap_classmethod(auto_class, "from_pretrained", auto_model_from_pretrained)
         _register_variant()
+        _CORE.setattr(TextGenerationPipeline, "preprocess", pipeline_preprocess(TextGenerationPipeline.preprocess))
+        _CORE.setattr(TextGenerationPipeline, "_forward", pipeline_forward(TextGenerationPipeline._forward))
     set_fast_kernels(fast_kernels)
 
 

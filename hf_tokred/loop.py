@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from dataclasses import dataclass
+import functools
+import logging
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -28,6 +30,8 @@ from .reduce import Plan, apply_plan_pair, extend_plan, make_plan, merge_weights
 
 __all__ = ["Reduced", "check_shapes", "generation_prompt", "reduced_backbone"]
 
+logger = logging.getLogger("hf_tokred")
+
 
 @dataclass(frozen=True)
 class _Prompt:
@@ -35,15 +39,17 @@ class _Prompt:
 
     length: int
     protected_mask: torch.Tensor | None
+    question_length: Any = None
 
 
 _GENERATION: contextvars.ContextVar = contextvars.ContextVar("hf_tokred_generation", default=None)
 
 
 @contextlib.contextmanager
-def generation_prompt(length: int, protected_mask: torch.Tensor | None):
-    """Within the block, reducing forwards reduce only the first ``length`` positions (the prompt)."""
-    token = _GENERATION.set(_Prompt(length, protected_mask))
+def generation_prompt(length: int, protected_mask: torch.Tensor | None, question_length=None):
+    """Within the block, reducing forwards reduce only the first ``length`` positions (the prompt), whose last
+    ``question_length`` real tokens (the question) are kept exactly as they are."""
+    token = _GENERATION.set(_Prompt(length, protected_mask, question_length))
     try:
         yield
     finally:
@@ -138,10 +144,8 @@ def _step_sizes(mixer, family, wanted: bool):
         handle.remove()
 
 
-def _anchor_block(block, family, hidden, cache, layer_mask, real, protected, cfg, keep_ratio, mixer_kwargs, prefix,
-                  timer):
-    """One anchor block, split into its two branches so each can be reduced before they are added; a hybrid
-    layer's feed-forward half then runs on the reduced sequence (it is per token).
+def _plan_at(block, family, hidden, cache, layer_mask, tokens: "_Tokens", cfg, removal, mixer_kwargs, timer):
+    """An anchor block's two branches (``residual``, ``h = mixer(norm(x))``) and the plan made from ``h``.
 
     Only the first ``prefix`` columns (the prompt, when a no-cache ``generate`` re-runs prompt + generated tokens)
     are planned over; the columns after them are kept as they are, exactly as with a cache.
@@ -156,19 +160,41 @@ def _anchor_block(block, family, hidden, cache, layer_mask, real, protected, cfg
         h = mixer(h, **cache_kwargs(cache), attention_mask=layer_mask, **mixer_kwargs)
     if family.residual_multiplier:
         h = h * getattr(block, family.residual_multiplier)
+    prefix = tokens.prefix
     with torch.no_grad(), timer("plan"):
         spec = cfg.spec
         scores = None if delta is None else delta.get()[:, :prefix]
-        plan = make_plan(h[:, :prefix].detach(), real[:, :prefix], protected[:, :prefix], keep_ratio, spec.selection,
-                         metric, spec.pairs, scores, spec.protected_receive)
+        frozen = None if tokens.frozen is None else tokens.frozen[:, :prefix]
+        plan = make_plan(h[:, :prefix].detach(), tokens.real[:, :prefix], tokens.protected[:, :prefix], None,
+                         spec.selection, metric, spec.pairs, scores, spec.protected_receive, removal, frozen,
+                         cfg.match_window)
         if plan is not None:  # the columns after the prompt are kept (none without them: the same plan)
             plan = extend_plan(plan, prefix, h.shape[1])
+    return residual, h, plan
+
+
+def _anchor_block(block, family, hidden, cache, layer_mask, tokens, cfg, removal, mixer_kwargs, timer):
+    """One anchor block, split into its two branches so each can be reduced before they are added; a hybrid
+    layer's feed-forward half then runs on the reduced sequence (it is per token)."""
+    residual, h, plan = _plan_at(block, family, hidden, cache, layer_mask, tokens, cfg, removal, mixer_kwargs, timer)
     if plan is None:
         out = residual + h
     else:
         with timer("apply"):
             out = _apply_both(residual, h, plan, cfg)
     return (out if family.feed_forward is None else family.feed_forward(block, out)), plan
+
+
+def _prefilter(block, family, hidden, layer_mask, tokens, cfg, removal, mixer_kwargs, timer):
+    """A method that re-runs its anchor (``MethodSpec.rerun``): a first pass of the anchor's mixer, which writes
+    no cache, scores the tokens; the plan prunes the anchor's *input*, so the anchor block itself and every block
+    after it run on the kept tokens only (the caller runs it)."""
+    _, _, plan = _plan_at(block, family, hidden, None, layer_mask, tokens, cfg, removal, mixer_kwargs, timer)
+    if plan is None:
+        return hidden, None
+    with timer("apply"):
+        hidden = apply_plan_pair(hidden, None, plan, "prune")
+    return hidden, replace(plan, rerun=True)
 
 
 def _output(out):
@@ -204,11 +230,74 @@ def _embed(backbone, family, input_ids, inputs_embeds):
     return inputs_embeds
 
 
+@dataclass
+class _Tokens:
+    """What the loop carries per column while the sequence shrinks: which columns are real tokens, protected,
+    frozen (the question), their input positions, and how many leading columns are the prompt."""
+
+    real: torch.Tensor
+    protected: torch.Tensor | None
+    frozen: torch.Tensor | None
+    positions: torch.Tensor
+    prefix: int
+
+    def shrink(self, plan: Plan) -> None:
+        self.prefix = plan.keep.shape[1] - (self.real.shape[1] - self.prefix)  # the suffix columns are all kept
+        self.real = reduce_along(self.real, plan, False)
+        self.protected = reduce_along(self.protected, plan, False)
+        self.frozen = None if self.frozen is None else reduce_along(self.frozen, plan, False)
+        self.positions = reduce_along(self.positions, plan, -1)
+
+    def prompt_lengths(self) -> list[int]:
+        return self.real[:, : self.prefix].sum(1).tolist()
+
+
+def _question_mask(question_length, real: torch.Tensor, prefix: int) -> torch.Tensor:
+    """``[B, N]`` bool: the last ``question_length`` real prompt tokens of each row (an int for every row, or one per
+    row; rows repeated when generate expanded the batch)."""
+    B, N = real.shape
+    q = torch.as_tensor(question_length)
+    if q.dtype.is_floating_point or q.dtype == torch.bool or q.is_complex() or q.dim() > 1:
+        raise TypeError(f"question_length must be an int or one int per row, got {question_length!r}")
+    q = q.to(device=real.device, dtype=torch.long).reshape(-1).expand(B) if q.dim() == 0 else q.to(real.device)
+    if q.numel() == 0 or B % q.numel():
+        raise ValueError(f"question_length must be an int or have one entry per row ({B}), got {q.numel()} entries")
+    q = q.repeat_interleave(B // q.numel())
+    in_prompt = real & (torch.arange(N, device=real.device) < prefix)
+    n_prompt = in_prompt.sum(1)
+    if bool((q < 0).any()) or bool((q > n_prompt).any()):
+        raise ValueError(f"question_length {q.tolist()} must be between 0 and each row's real prompt length "
+                         f"{n_prompt.tolist()}: the question is a suffix of the prompt")
+    return in_prompt & (in_prompt.flip(1).cumsum(1).flip(1) <= q[:, None])
+
+
+def _warn_over_budget(schedule: ResolvedSchedule, tokens: _Tokens) -> None:
+    """A budget that protected tokens kept from being met is reported, not silently exceeded."""
+    if schedule.keep_tokens is None:
+        return
+    over = [n for n in tokens.prompt_lengths() if n > schedule.keep_tokens]
+    if over:
+        logger.warning("hf_tokred: keep_tokens=%d was exceeded (%s tokens kept in %d row(s)) because more tokens "
+                       "than that are protected (the last token, the question, protected_mask, protect_recent); "
+                       "protect fewer, or raise keep_tokens", schedule.keep_tokens, max(over), len(over))
+
+
+def _attention_layers(backbone, family, cache, position_ids, use_cache, fresh, B, N, device):
+    """A hybrid's attention layers inside the loop, at the original positions (``None`` for a pure SSM)."""
+    if not family.hybrid:
+        return None
+    check_attention_implementation(backbone.config)
+    original = (default_positions(cache, B, N, fresh, device) if position_ids is None
+                else position_ids.to(device).expand(B, N))
+    return AttentionLayers(backbone, cache, original, use_cache, fresh)
+
+
 def reduced_backbone(backbone, cfg: TokenReductionConfig, schedule: ResolvedSchedule, input_ids=None,
                      inputs_embeds=None, cache=None, use_cache=None, output_hidden_states=None, attention_mask=None,
-                     protected_mask=None, position_ids=None, **kwargs) -> Reduced:
+                     protected_mask=None, position_ids=None, question_length=None, **kwargs) -> Reduced:
     """The backbone's forward with reduction after the schedule's anchors (the stock loop otherwise).
 
+    ``question_length``: the last tokens of each row's prompt are a question, kept exactly as they are.
     Hybrids: attention layers get the reduced sequence with the original positions (:mod:`hf_tokred.hybrid`),
     feed-forward / MoE layers run per token, and ``kwargs`` are not passed on."""
     config = backbone.config
@@ -226,26 +315,26 @@ def reduced_backbone(backbone, cfg: TokenReductionConfig, schedule: ResolvedSche
     kinds = family.kinds(config)
     fresh = _is_fresh(cache, kinds.index("ssm") if family.hybrid else None)
     reducing = N > 1 and fresh
-    prompt = _GENERATION.get()
-    prefix = N if prompt is None else min(prompt.length, N)
+    prompt = _GENERATION.get() or _Prompt(N, None)
     if reducing and attention_mask is not None and attention_mask.shape[1] != N:
         raise ValueError(f"attention_mask must have shape (batch, length) = {(B, N)} for a forward without a "
                          f"cache; got {tuple(attention_mask.shape)}")
     real = (torch.ones(B, N, dtype=torch.bool, device=device) if attention_mask is None
             else attention_mask[:, -N:].to(device=device, dtype=torch.bool))
+    t = _Tokens(real, None, None, torch.arange(N, device=device).expand(B, N), min(prompt.length, N))
+    question_length = question_length if question_length is not None else prompt.question_length
     if reducing:
-        protected = _initial_protection(real, prefix, (protected_mask, None if prompt is None else
-                                                       prompt.protected_mask), cfg.protect_recent)
-    positions = torch.arange(N, device=device).expand(B, N)
-    attention = None
-    if family.hybrid:
-        check_attention_implementation(config)
-        original = (default_positions(cache, B, N, fresh, device) if position_ids is None
-                    else position_ids.to(device).expand(B, N))
-        attention, kwargs = AttentionLayers(backbone, cache, original, use_cache, fresh), {}
+        t.frozen = None if question_length is None else _question_mask(question_length, real, t.prefix)
+        t.protected = _initial_protection(real, t.prefix, (protected_mask, prompt.protected_mask), cfg.protect_recent)
+        if t.frozen is not None:
+            t.protected |= t.frozen
+        schedule.check_budget(t.prompt_lengths())
+    attention = _attention_layers(backbone, family, cache, position_ids, use_cache, fresh, B, N, device)
+    if attention is not None:
+        kwargs = {}
     block_cache = layer_cache_kwargs(cache) if family.hybrid else cache_kwargs(cache)
     mixer_kwargs = kwargs if family.mixer_takes_kwargs else {}
-    anchors = set(schedule.anchors) if reducing and prefix > 1 else set()
+    anchors = {a: j for j, a in enumerate(schedule.anchors)} if reducing and t.prefix > 1 else {}
     recorder = current_recorder() if reducing else None
     record = ReductionRecord() if recorder is not None else None
     timer = (lambda what: recorder.timed(record, what, device)) if recorder else (lambda what: contextlib.nullcontext())
@@ -255,21 +344,24 @@ def reduced_backbone(backbone, cfg: TokenReductionConfig, schedule: ResolvedSche
     plans, lengths = [], []
     for i, (block, kind) in enumerate(zip(backbone.layers, kinds)):
         if record is not None:
-            lengths.append(real.sum(1))
+            lengths.append(t.real.sum(1))
         if i in anchors:
-            hidden, plan = _anchor_block(block, family, hidden, cache, layer_mask, real, protected, cfg,
-                                         schedule.keep_ratio, mixer_kwargs, prefix, timer)
+            removal = functools.partial(schedule.removal, anchor_index=anchors[i])
+            step = _prefilter if cfg.spec.rerun else functools.partial(_anchor_block, cache=cache)
+            hidden, plan = step(block, family, hidden, layer_mask=layer_mask, tokens=t, cfg=cfg, removal=removal,
+                                mixer_kwargs=mixer_kwargs, timer=timer)
             if plan is not None:
                 plans.append((i, plan))
-                prefix = plan.keep.shape[1] - (real.shape[1] - prefix)  # the suffix columns are all kept
-                real = reduce_along(real, plan, False)
-                protected = reduce_along(protected, plan, False)
-                positions = reduce_along(positions, plan, -1)
-                layer_mask = None if bool(real.all()) else real.to(torch.long)
+                t.shrink(plan)
+                layer_mask = None if bool(t.real.all()) else t.real.to(torch.long)
                 if attention is not None:
                     attention.shrink(plan)
+                if record is not None and plan.rerun:  # the anchor runs again, on the kept tokens
+                    lengths[-1] = lengths[-1] + t.real.sum(1)
+        if i in anchors and not cfg.spec.rerun:
+            pass  # the anchor block ran, split into its branches
         elif kind == "attention":
-            hidden = attention(block, i, hidden, real)
+            hidden = attention(block, i, hidden, t.real)
         else:
             mask = layer_mask if kind == "ssm" else None
             hidden = _output(block(hidden, **block_cache, attention_mask=mask, **kwargs))
@@ -280,10 +372,12 @@ def reduced_backbone(backbone, cfg: TokenReductionConfig, schedule: ResolvedSche
         all_hidden += (hidden,)
     if family.hybrid:  # a cache passed with use_cache=False is still written by the layers, as in stock
         note_seen(cache, N, fresh)
+    if plans:
+        _warn_over_budget(schedule, t)
     if record is not None:
         record.input_lengths = lengths[0].tolist()
         record.layer_lengths = torch.stack(lengths, 1).tolist()
         record.anchors = [a for a, _ in plans]
-        record.kept_positions = [p[r].tolist() for p, r in zip(positions, real)]
+        record.kept_positions = [p[r].tolist() for p, r in zip(t.positions, t.real)]
         recorder.records.append(record)
-    return Reduced(hidden, positions, cache if use_cache else None, all_hidden, tuple(plans))
+    return Reduced(hidden, t.positions, cache if use_cache else None, all_hidden, tuple(plans))

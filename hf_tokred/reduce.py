@@ -1,4 +1,4 @@
-"""The method itself, as pure functions on tensors: importance, selection, plans, and applying a plan.
+"""The method itself, as pure functions on tensors: plans and applying a plan (selection rules: select.py).
 
 Shapes: ``B`` batch rows, ``N`` current sequence length, ``D`` channels.  Within a row, the "real"
 tokens are those whose mask is set; padding never takes part in importance or matching, and each row's
@@ -8,242 +8,29 @@ A :class:`Plan` is computed once per anchor from the anchor block's mixer output
 both branches (hidden state and residual).  The reduced sequence uses a left-padded layout: each row's
 kept tokens, in their original order, are right-aligned; shorter rows get padding on the left (which
 the Mamba mixers handle exactly, like left-padded input).
-
-Tie-breaking (deterministic): importance ties are broken by position (earlier = less important);
-similarity ties by the order of the less-important set; equal best matches pick the first candidate.
-Cosine similarities are snapped to a grid of ``_SIM_GRID`` before they are compared, so values that differ
-only by float rounding (e.g. runs of a repeated token, computed with or without padding / neighbours) are
-ties decided by position, not by rounding noise.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import Callable
 
 import torch
 
 from .config import merge_count, removal_count
-from .ops import cpu as cpu_ops
+from .select import Selection, flat_index, importance, select, take_rows
 
 __all__ = ["Plan", "Selection", "apply_plan", "apply_plan_pair", "extend_plan", "importance", "make_plan",
            "merge_weights", "num_to_remove", "select"]
 
 
-def importance(h: torch.Tensor, metric: str = "clip", scores: torch.Tensor | None = None) -> torch.Tensor:
-    """Token importance ``[..., N]`` from mixer output ``h [..., N, D]`` (paper Eq. 5 and Table 3 variants), or the
-    precomputed ``scores [..., N]`` of a metric that needs the mixer's internals (``delta``)."""
-    if metric == "delta":
-        if scores is None:
-            raise ValueError("the 'delta' importance metric needs the anchor's step sizes (scores=...); the reducing "
-                             "loop captures them from the mixer")
-        return scores.float()
-    h = h.float()
-    if metric == "clip":
-        return h.clamp_min(0).mean(-1)
-    if metric == "l1":
-        return h.abs().mean(-1)
-    if metric == "l2":
-        return h.norm(dim=-1)
-    if metric == "noclip":
-        return h.mean(-1)
-    raise ValueError(f"unknown importance metric {metric!r}; allowed: clip, l1, l2, noclip, delta")
-
-
-def _features(h: torch.Tensor, metric: str) -> torch.Tensor:
-    """Token features for cosine similarity (not normalised): the clipped output for ``clip``, else the output."""
-    h = h.float()
-    return h.clamp_min(0) if metric == "clip" else h
-
-
-#: Cosine similarities closer than this are ties (fp32 noise of a cosine is ~1e-7; 2**-16 ~ 1.5e-5).
-_SIM_GRID = 2.0**-16
-
-
-#: Rows of the similarity matrix computed at a time (a block stays in cache while it is scaled, rounded, reduced).
-_SIM_BLOCK = 256
-
-
-def _best_cosine(xa: torch.Tensor, xb: torch.Tensor, allowed: torch.Tensor | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """For each row of ``xa [g, m, D]``: its best cosine similarity with the rows of ``xb [g, k, D]``, rounded to
-    the tie grid (in grid units: only the ordering is used), and the first row of ``xb`` that attains it.
-
-    With ``allowed [g, k]`` only those rows of ``xb`` are searched (the others score ``-inf``; a source with no
-    allowed row gets ``-inf``, no link); that search takes the plain torch pass.
-
-    The ``[g, m, k]`` matrix is never held whole: blocks of rows (of unit-norm ``xa`` rows) are multiplied,
-    scaled by the inverse norms of ``xb``, rounded and reduced while in cache.
-    """
-    xa = xa * xa.norm(dim=-1, keepdim=True).clamp_min(1e-12).reciprocal()  # unit rows (the smaller operand)
-    inv_b = xb.norm(dim=-1).clamp_min(1e-12).reciprocal().div_(_SIM_GRID)
-    xbt = xb.transpose(1, 2)
-    g, m = xa.shape[:2]
-    best = torch.empty(g, m, dtype=xa.dtype, device=xa.device)
-    match = torch.empty(g, m, dtype=torch.long, device=xa.device)
-    fused = _cpu_grid_argmax(xa) if allowed is None else None
-    for i in range(0, m, _SIM_BLOCK):
-        j = min(m, i + _SIM_BLOCK)
-        sim = torch.matmul(xa[:, i:j], xbt)
-        if fused is not None:  # compiled CPU pass: scale, round and arg-max each row while it is in cache
-            best[:, i:j], match[:, i:j] = fused(sim, inv_b)
-        else:
-            sim = sim.mul_(inv_b[:, None, :]).round_()
-            if allowed is not None:
-                sim.masked_fill_(~allowed[:, None, :], -math.inf)
-            torch.max(sim, dim=-1, out=(best[:, i:j], match[:, i:j]))
-    return best, match
-
-
-def _cpu_grid_argmax(x: torch.Tensor):
-    """The compiled row-wise scale/round/arg-max for fp32 CPU tensors without gradients, else ``None``."""
-    if x.device.type != "cpu" or x.dtype != torch.float32 or (torch.is_grad_enabled() and x.requires_grad):
-        return None
-    return cpu_ops.grid_argmax if cpu_ops.available() else None
-
-
-def num_to_remove(n_real: torch.Tensor, keep_ratio: float, pairs: bool) -> torch.Tensor:
-    """Tokens to remove per row (:func:`hf_tokred.config.removal_count` of each row's real length)."""
-    counts = [removal_count(n, keep_ratio, pairs) for n in n_real.tolist()]
+def num_to_remove(n_real: torch.Tensor, keep_ratio: float | None, pairs: bool,
+                  removal: Callable[[int], int] | None = None) -> torch.Tensor:
+    """Tokens to remove per row: ``removal(n)`` of each row's real length ``n`` (a schedule's rule, e.g. a token
+    budget's), else :func:`hf_tokred.config.removal_count` with ``keep_ratio``."""
+    counts = [removal(n) if removal is not None else removal_count(n, keep_ratio, pairs) for n in n_real.tolist()]
     return torch.tensor(counts, dtype=torch.long, device=n_real.device)
-
-
-@dataclass
-class Selection:
-    """Which tokens of a group of equal-length rows go, relative to that group's real tokens.
-
-    ``src[g, i]`` is removed and (for merging strategies) folded into ``dst[g, i]``; entries with
-    ``valid`` False are unused.  ``score`` is the importance of each source (the token-level hybrid
-    prunes the least important sources and merges the rest).
-    """
-
-    src: torch.Tensor  # [g, R] long
-    dst: torch.Tensor  # [g, R] long
-    valid: torch.Tensor  # [g, R] bool
-    score: torch.Tensor  # [g, R] float
-
-
-def _flat(idx: torch.Tensor, n: int) -> torch.Tensor:
-    """Indices ``idx [g, k]`` into rows of length ``n``, as indices into the flattened ``[g * n]`` rows."""
-    return idx + (torch.arange(idx.shape[0], device=idx.device) * n)[:, None]
-
-
-def _take(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """Gather rows of ``x [g, n, ...]`` along dim 1 with ``idx [g, k]`` (whole rows: one index_select, not a
-    gather per element)."""
-    g, n = x.shape[:2]
-    return x.reshape(g * n, *x.shape[2:]).index_select(0, _flat(idx, n).reshape(-1)).view(*idx.shape, *x.shape[2:])
-
-
-def _top_links(link: torch.Tensor, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Indices of the ``r[g]`` highest link scores per row (stable: ties keep their order) and their validity."""
-    R = int(r.max()) if r.numel() else 0
-    order = torch.sort(link, dim=1, descending=True, stable=True).indices[:, :R]
-    ok = torch.arange(R, device=link.device)[None, :] < r[:, None]
-    ok &= torch.isfinite(link.gather(1, order))  # never take an ineligible (protected) source
-    return order, ok
-
-
-def _select_importance_similarity(h, s, protected, r, metric, receive=True) -> Selection:
-    """Paper Sec. 4: less important half matched to the more important half by cosine; keep the top links."""
-    n = h.shape[1]
-    order = torch.sort(s.masked_fill(protected, math.inf), dim=1, stable=True).indices
-    n_a = n - n // 2
-    ranked = _take(h.float(), order)  # tokens by importance; the less important half first
-    if metric == "clip":
-        ranked.clamp_min_(0)  # the features, made in place on the copy
-    a, b = order[:, :n_a], order[:, n_a:]
-    best, match = _best_cosine(ranked[:, :n_a], ranked[:, n_a:], None if receive else ~protected.gather(1, b))
-    best = best.masked_fill(protected.gather(1, a), -math.inf)
-    sel, ok = _top_links(best, r)
-    src = a.gather(1, sel)
-    return Selection(src, b.gather(1, match.gather(1, sel)), ok, s.gather(1, src))
-
-
-def _select_reference(h, s, protected, r, metric, receive=True) -> Selection:
-    """The reference code's selection, operation for operation: a per-channel sort along the token axis,
-    then ``a @ b^T`` on the sorted halves, with row ``i`` of ``a`` read as even token ``2i`` and row ``j``
-    of ``b`` as odd token ``2j+1``.  On non-negative inputs this removes 0, 2, ..., 2r-2 into token 1.
-
-    Unlike the other selections, link scores are compared as computed (no tie grid), so the choice equals the
-    authors' whenever theirs is not an exact floating-point tie; padding invariance therefore holds only up to
-    float rounding of the scores (rows computed with and without padding may split a near-tie differently)."""
-    n = h.shape[1]
-    feat = _features(h, metric)
-    feat = feat / feat.norm(dim=-1, keepdim=True).clamp_min(1e-12)  # normalised before the per-channel sort
-    ranked = torch.sort(feat, dim=1, descending=True, stable=True).values
-    a, b = ranked[:, n // 2 :], ranked[:, : n // 2]
-    # raw scores, no tie grid: the authors' arg-sort separates near-ties by their float values, and so do we
-    best, match = (a @ b.transpose(1, 2)).max(-1)
-    even = torch.arange(0, n, 2, device=h.device)
-    best = best.masked_fill(protected[:, even], -math.inf)
-    sel, ok = _top_links(best, r)
-    src = 2 * sel
-    return Selection(src, 2 * match.gather(1, sel) + 1, ok, s.gather(1, src))
-
-
-def _select_bipartite(h, s, protected, r, metric, receive=True) -> Selection:
-    """ToMe / PuMer: even tokens matched to odd tokens by cosine; the most similar pairs merge."""
-    feat = _features(h, metric)
-    best, match = _best_cosine(feat[:, 0::2], feat[:, 1::2], None if receive else ~protected[:, 1::2])
-    best = best.masked_fill(protected[:, 0::2], -math.inf)
-    sel, ok = _top_links(best, r)
-    src = 2 * sel
-    return Selection(src, 2 * match.gather(1, sel) + 1, ok, s.gather(1, src))
-
-
-def _select_importance(h, s, protected, r, metric, receive=True) -> Selection:
-    """EViT: remove the least important tokens; a removed token's destination (for merging strategies) is the
-    next token to its right that stays (the last token is always protected, so one exists)."""
-    sel, ok = _top_links(-s.masked_fill(protected, math.inf), r)
-    n = s.shape[1]
-    removed = torch.zeros_like(protected)
-    removed.scatter_(1, sel, ok)
-    ar = torch.arange(n, device=s.device).expand_as(removed)
-    next_kept = torch.where(removed, n - 1, ar).flip(1).cummin(1).values.flip(1)
-    return Selection(sel, next_kept.gather(1, sel), ok, s.gather(1, sel))
-
-
-FRONT_WINDOW = 2  # front looks at the oldest 2r unprotected tokens (the window the authors' code thins)
-
-
-def _select_front(h, s, protected, r, metric, receive=True, window=FRONT_WINDOW,
-                  rule=_select_importance) -> Selection:
-    """Content-aware front-thinning: EViT's rule (remove the least important) within the oldest ``window * r``
-    unprotected tokens, so recent context is never touched and important old tokens stay."""
-    beyond = (~protected).cumsum(1) > window * r[:, None]
-    return rule(h, s, protected | beyond, r, metric, receive)
-
-
-_SELECTORS = {
-    "importance_similarity": _select_importance_similarity,
-    "reference": _select_reference,
-    "bipartite": _select_bipartite,
-    "importance": _select_importance,
-    "front": _select_front,
-}
-
-
-#: selections that can keep protected tokens from being merge destinations (``receive=False``)
-_RECEIVE_AWARE = frozenset({"importance_similarity", "bipartite"})
-
-
-def select(selection: str, h: torch.Tensor, protected: torch.Tensor, r: torch.Tensor, metric: str,
-           scores: torch.Tensor | None = None, receive: bool = True) -> Selection:
-    """Run one selection rule on ``h [g, n, D]`` (all tokens real), ``protected [g, n]``, ``r [g]`` (``scores
-    [g, n]``: the precomputed importance of metrics that need the mixer's internals; ``receive=False``: protected
-    tokens are not merge destinations either)."""
-    try:
-        fn = _SELECTORS[selection]
-    except KeyError:
-        raise ValueError(f"unknown selection {selection!r}; allowed: {', '.join(_SELECTORS)}") from None
-    if not receive and selection not in _RECEIVE_AWARE:
-        raise ValueError(f"selection {selection!r} has no protected-destination rule; receive=False needs one of "
-                         f"{sorted(_RECEIVE_AWARE)}")
-    if h.shape[1] < 2 or int(r.max()) == 0:
-        empty = torch.zeros(h.shape[0], 0, dtype=torch.long, device=h.device)
-        return Selection(empty, empty, empty.bool(), empty.float())
-    return fn(h, importance(h, metric, scores), protected, r, metric, receive)
 
 
 @dataclass
@@ -252,7 +39,9 @@ class Plan:
 
     ``keep [B, M]``/``keep_mask``: kept tokens, ascending and right-aligned (left padding, index 0, mask False).
     ``src/dst/src_mask [B, R]``: removed tokens and where they merge (``dst_slot`` = column of ``dst`` in ``keep``).
-    ``src_score``: importance of each removed token.
+    ``src_score``: importance of each removed token.  ``mergeable [B, R]``: sources that may merge (``None``: all;
+    a source whose only possible destinations are frozen tokens is pruned by every strategy).  ``rerun``: made by a
+    method that prunes before its anchor (``prefilter``), so the anchor block processed the kept tokens too.
     """
 
     keep: torch.Tensor
@@ -262,6 +51,8 @@ class Plan:
     dst_slot: torch.Tensor
     src_mask: torch.Tensor
     src_score: torch.Tensor
+    mergeable: torch.Tensor | None = None
+    rerun: bool = False  # the plan pruned its anchor's input and the anchor block ran again on the kept tokens
 
     @property
     def num_removed(self) -> torch.Tensor:
@@ -278,15 +69,20 @@ def make_plan(
     pairs: bool,
     scores: torch.Tensor | None = None,
     receive: bool = True,
+    removal: Callable[[int], int] | None = None,
+    frozen: torch.Tensor | None = None,
+    match_window: int = 0,
 ) -> Plan | None:
     """Plan one anchor from its mixer output ``h [B, N, D]``; ``None`` when no row loses a token.
 
-    ``mask [B, N]`` marks real tokens, ``protected [B, N]`` tokens that must survive.  Rows are grouped
-    by real length so every selection runs on a dense, padding-free tensor.
+    ``mask [B, N]`` marks real tokens, ``protected [B, N]`` tokens that must survive, ``frozen [B, N]`` tokens that
+    must survive exactly as they are (never merge destinations either).  ``removal(n)``: tokens to remove from a
+    row of ``n`` real tokens, instead of ``keep_ratio`` (a token budget's rule).  Rows are grouped by real length
+    so every selection runs on a dense, padding-free tensor.
     """
     B, N, _ = h.shape
     n_real = mask.sum(1)
-    r_all = num_to_remove(n_real, keep_ratio, pairs)
+    r_all = num_to_remove(n_real, keep_ratio, pairs, removal)
     if int(r_all.max()) == 0:
         return None
     device = h.device
@@ -295,20 +91,25 @@ def make_plan(
     dst = torch.zeros_like(src)
     ok = torch.zeros(B, R, dtype=torch.bool, device=device)
     score = torch.zeros(B, R, device=device)
+    mergeable = None
     for n in torch.unique(n_real[r_all > 0]).tolist():
         rows = ((n_real == n) & (r_all > 0)).nonzero().squeeze(1)
         if n == N and len(rows) == B:  # no padding anywhere: select on h itself, no copies
-            pos, h_rows, prot_rows, s_rows = None, h, protected, scores
+            pos, h_rows, prot_rows, s_rows, f_rows = None, h, protected, scores, frozen
         else:
             pos = mask[rows].nonzero()[:, 1].view(len(rows), n)  # real positions, ascending
-            h_rows, prot_rows = _take(h[rows], pos), protected[rows].gather(1, pos)
+            h_rows, prot_rows = take_rows(h[rows], pos), protected[rows].gather(1, pos)
             s_rows = None if scores is None else scores[rows].gather(1, pos)
-        sel = select(selection, h_rows, prot_rows, r_all[rows], metric, s_rows, receive)
+            f_rows = None if frozen is None else frozen[rows].gather(1, pos)
+        sel = select(selection, h_rows, prot_rows, r_all[rows], metric, s_rows, receive, f_rows, match_window)
         k = sel.src.shape[1]
         src[rows, :k] = sel.src if pos is None else pos.gather(1, sel.src)
         dst[rows, :k] = sel.dst if pos is None else pos.gather(1, sel.dst)
         ok[rows, :k] = sel.valid
         score[rows, :k] = sel.score
+        if sel.mergeable is not None:
+            mergeable = torch.ones_like(ok) if mergeable is None else mergeable
+            mergeable[rows, :k] = sel.mergeable
     if not bool(ok.any()):  # every candidate was ineligible (e.g. utrc_frozen with only protected destinations)
         return None
     rows_of = torch.arange(B, device=device)[:, None]
@@ -323,7 +124,7 @@ def make_plan(
     slot_of = torch.full((B, N), -1, dtype=torch.long, device=device)
     slot_of[rows_of.expand(B, M)[keep_mask], keep[keep_mask]] = torch.arange(M, device=device).expand(B, M)[keep_mask]
     dst_slot = slot_of.gather(1, dst).clamp_min(0)  # unused (invalid or pruned) entries point at slot 0
-    return Plan(keep, keep_mask, src, dst, dst_slot, ok, score)
+    return Plan(keep, keep_mask, src, dst, dst_slot, ok, score, mergeable)
 
 
 def extend_plan(plan: Plan, prefix: int, length: int) -> Plan:
@@ -363,10 +164,11 @@ def merge_weights(plan: Plan, strategy: str, q: float, x_src: torch.Tensor | Non
         k = _merge_counts(valid, q)
         vals = x_src.float().masked_fill(~valid[..., None], -math.inf)
         rank = torch.sort(vals, dim=1, descending=True, stable=True).indices.argsort(1)
-        return (valid[..., None] & (rank < k[:, None, None])).float()
+        w = valid[..., None] & (rank < k[:, None, None])
+        return (w if plan.mergeable is None else w & plan.mergeable[..., None]).float()
     else:
         raise ValueError(f"unknown strategy {strategy!r}; allowed: prune, merge, hybrid, hybrid_channel")
-    return w[..., None].float()
+    return (w if plan.mergeable is None else w & plan.mergeable)[..., None].float()
 
 
 def apply_plan_pair(a: torch.Tensor, b: torch.Tensor | None, plan: Plan, strategy_a: str,
@@ -379,9 +181,9 @@ def apply_plan_pair(a: torch.Tensor, b: torch.Tensor | None, plan: Plan, strateg
     fp32, cast back to the branch's dtype before the branches are added.  Padding slots are zero.
     """
     branches = [(a, strategy_a)] + ([] if b is None else [(b, strategy_b)])
-    out = _take(a if b is None else a + b, plan.keep)
+    out = take_rows(a if b is None else a + b, plan.keep)
     if plan.src.shape[1]:
-        weights = [merge_weights(plan, st, q, _take(x, plan.src) if st == "hybrid_channel" else None)
+        weights = [merge_weights(plan, st, q, take_rows(x, plan.src) if st == "hybrid_channel" else None)
                    for x, st in branches]
         merged = torch.zeros_like(plan.src_mask)
         for w in weights:
@@ -389,11 +191,11 @@ def apply_plan_pair(a: torch.Tensor, b: torch.Tensor | None, plan: Plan, strateg
                 merged |= (w > 0).any(-1)
         if bool(merged.any()):
             M, N = plan.keep.shape[1], a.shape[1]
-            dst = _flat(plan.dst_slot, M)[merged]  # output row of each merged source's destination
+            dst = flat_index(plan.dst_slot, M)[merged]  # output row of each merged source's destination
             rows = torch.unique(dst)  # the rows that change
             slot_of_src = torch.searchsorted(rows, dst)
-            tokens = _flat(plan.keep, N).reshape(-1)[rows]  # their input rows
-            sources = _flat(plan.src, N)[merged]
+            tokens = flat_index(plan.keep, N).reshape(-1)[rows]  # their input rows
+            sources = flat_index(plan.src, N)[merged]
             new = None
             for (x, _), w in zip(branches, weights):
                 flat_x = x.reshape(-1, x.shape[-1])

@@ -24,6 +24,7 @@ METHOD_STRATEGIES = {
     "merge_only": ("merge", "merge"),
     "utrc_frozen": ("hybrid", "merge"),
     "front_prune": ("prune", "prune"),
+    "prefilter": ("before", "before"),  # prunes the anchor's input; the anchor block then runs on the kept tokens
 }
 #: selection rule of each method, and whether it pairs tokens (caps removal at half).
 METHOD_SELECTION = {
@@ -35,9 +36,16 @@ METHOD_SELECTION = {
     "merge_only": ("importance_similarity", True),
     "utrc_frozen": ("importance_similarity", True),
     "front_prune": ("front", False),
+    "prefilter": ("lookahead", False),
 }
 #: selections that do not pair tokens (an anchor may remove more than half)
 UNPAIRED = frozenset(sel for sel, pairs in METHOD_SELECTION.values() if not pairs)
+
+
+def branch_strategies(cfg) -> tuple[str, str]:
+    """The (hidden, residual) strategies the slow references apply for ``cfg``: ``before`` for a method that prunes
+    before its anchor and re-runs it (``prefilter``), else the configured branch strategies."""
+    return ("before", "before") if cfg.spec.rerun else (cfg.hidden, cfg.residual)
 
 
 def random_rows(seed: int, lengths, low: int = 2, high: int = VOCAB) -> list[torch.Tensor]:
@@ -101,7 +109,10 @@ def _slow_forward_any_dtype(model, ids, plans, hidden_strategy, residual_strateg
     by_layer = {layer: (pairs, scores) for layer, pairs, scores in plans}
     dtypes = []
     for i, block in enumerate(backbone.layers):
-        if i not in by_layer:
+        if i in by_layer and hidden_strategy == "before":  # drop the removed tokens, then the whole block
+            gone = {src for src, _ in by_layer[i][0]}
+            x = block(x[:, [j for j in range(x.shape[1]) if j not in gone]])
+        elif i not in by_layer:
             x = block(x)
         else:
             pairs, scores = by_layer[i]

@@ -137,6 +137,11 @@ def slow_forward(model, ids, plans, n_prompt, hidden_strategy, residual_strategy
                 x = block(x)
                 continue
             pairs, scores = by_layer[i]
+            if hidden_strategy == "before":  # a method that prunes before its anchor, then runs the whole block
+                gone = {src for src, _ in pairs}
+                x = block(x[:, [j for j in range(x.shape[1]) if j not in gone]])
+                n_cur -= len(pairs)
+                continue
             residual = x.float() if block.residual_in_fp32 else x
             h = block.mixer(block.norm(x))
             parts = []

@@ -18,6 +18,7 @@ from hf_tokred.reduce import apply_plan, make_plan
 
 from conftest import stock_forward, tiny_model
 from robust_helpers import (
+    branch_strategies,
     ATOL,
     METHOD_SELECTION,
     METHOD_STRATEGIES,
@@ -56,7 +57,7 @@ def check_row_against_reference(model, out, ids, mask, b, cfg, inputs_embeds=Non
     real = mask[b].nonzero().flatten()
     plans = row_local_plans(out.plans, mask, b)
     emb = None if inputs_embeds is None else inputs_embeds[b, real]
-    ref, _ = slow_forward_any_dtype(model, ids[b, real], plans, cfg.hidden, cfg.residual, cfg.q, inputs_embeds=emb)
+    ref, _ = slow_forward_any_dtype(model, ids[b, real], plans, *branch_strategies(cfg), cfg.q, inputs_embeds=emb)
     kept = kept_positions(out, b)
     assert torch.allclose(out.logits[b, kept], ref, atol=ATOL, rtol=0), f"row {b} differs from the slow reference"
 
@@ -374,7 +375,7 @@ def test_half_precision(family, dtype, residual_in_fp32):
             for b in range(2):
                 real = mask[b].nonzero().flatten()
                 ref, dtypes = slow_forward_any_dtype(model, ids[b, real], row_local_plans(out.plans, mask, b),
-                                                     cfg.hidden, cfg.residual, cfg.q)
+                                                     *branch_strategies(cfg), cfg.q)
                 assert dtypes == [between] * LAYERS
                 got = out.logits[b, kept_positions(out, b)]
                 # the merge is computed in fp32 here and in fp64 by the reference, both rounded to the branch dtype

@@ -9,6 +9,8 @@ import os
 
 import torch
 
+from robust_helpers import branch_strategies
+
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -85,7 +87,8 @@ def make_case(selection, lengths=(10, 7, 2), D=8, keep_ratio=0.6, seed=0, dtype=
     protected[:, -1] = True  # the last real token (left padding)
     plan = reduce.make_plan(h, mask, protected, keep_ratio, selection, "clip", selection != "importance")
     assert plan is not None
-    plan = reduce.Plan(*(getattr(plan, f).to(DEVICE) for f in plan.__dataclass_fields__))
+    plan = reduce.Plan(*(getattr(plan, f).to(DEVICE) if torch.is_tensor(getattr(plan, f)) else getattr(plan, f)
+                        for f in plan.__dataclass_fields__))
     res = res.to(DEVICE, dtype)
     h = h.to(DEVICE, hid_dtype or dtype)
     return res, h, mask.to(DEVICE), protected.to(DEVICE), plan
@@ -483,8 +486,7 @@ def test_reducing_model_cuda_branch(backend, family, method, q):
     for b in range(2):
         real = mask[b].nonzero().flatten()
         kept = out.computed_mask[b].nonzero().flatten()
-        ref = slow_forward(model, ids[b, real], row_plans(out.plans, mask.bool(), b), len(real), cfg.hidden,
-                           cfg.residual, q)
+        ref = slow_forward(model, ids[b, real], row_plans(out.plans, mask.bool(), b), len(real), *branch_strategies(cfg), q)
         torch.testing.assert_close(out.logits[b, kept], ref, atol=1e-5, rtol=0)
     if backend == "torch":  # the fused op's backward equals the CPU branch's autograd
         w = torch.randn(out.logits.shape, generator=g).masked_fill(~out.computed_mask[..., None], 0)

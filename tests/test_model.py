@@ -8,7 +8,7 @@ import hf_tokred
 from hf_tokred import TokenReductionConfig
 
 from conftest import stock_forward, tiny_model, word_tokenizer
-from robust_helpers import METHOD_STRATEGIES
+from robust_helpers import METHOD_STRATEGIES, branch_strategies
 from slow_reference import row_plans, slow_forward
 
 ATOL = 1e-5
@@ -146,7 +146,7 @@ def check_steps(model, ids, mask, gen, settings):
         plans = row_plans(prefill.plans, mask.bool(), b)
         assert plans, "the prefill should have reduced"
         seq = torch.cat([ids[b, real], new[b]])
-        ref = slow_forward(model, seq, plans, len(real), cfg.hidden, cfg.residual, cfg.q)
+        ref = slow_forward(model, seq, plans, len(real), *branch_strategies(cfg), cfg.q)
         for t, step_logits in enumerate(gen.logits):
             assert torch.allclose(step_logits[b], ref[-len(new[b]) - 1 + t], atol=ATOL, rtol=0), (b, t)
 

@@ -35,7 +35,7 @@ from hf_tokred.ops.scan import selective_scan  # noqa: E402
 from transformers.models.mamba import modeling_mamba  # noqa: E402
 
 from conftest import STOCK, tiny_model  # noqa: E402
-from robust_helpers import pad_rows, random_rows  # noqa: E402
+from robust_helpers import branch_strategies, pad_rows, random_rows  # noqa: E402
 from slow_reference import equation_conv, equation_scan, equation_ssd, row_plans, slow_forward  # noqa: E402
 
 ATOL = 1e-5
@@ -323,8 +323,7 @@ def test_reduced_backward_equals_slow_reference(family, method, q):
     total = 0.0
     for b in range(ids.shape[0]):
         real = mask[b].nonzero().flatten()
-        ref = slow_forward(model, ids[b, real], row_plans(out.plans, mask.bool(), b), len(real), cfg.hidden,
-                           cfg.residual, q, grad=True)
+        ref = slow_forward(model, ids[b, real], row_plans(out.plans, mask.bool(), b), len(real), *branch_strategies(cfg), q, grad=True)
         cols = kept[b].nonzero().flatten()
         torch.testing.assert_close(ref.detach(), out.logits[b, cols].detach(), atol=ATOL, rtol=1e-5)
         total = total + (ref * weights[b, cols]).sum()

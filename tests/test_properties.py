@@ -35,6 +35,7 @@ from hf_tokred.reduce import apply_plan, make_plan, num_to_remove
 
 from conftest import examples, stock_forward, tiny_model
 from robust_helpers import (
+    branch_strategies,
     ATOL,
     METHOD_SELECTION,
     UNPAIRED,
@@ -430,8 +431,8 @@ def test_model_forward_properties(method, data):
             assert kept == list(range(N))
         assert set(protected[b].nonzero().flatten().tolist()) <= set(kept)  # protected survive
         real = mask[b].nonzero().flatten()
-        ref, _ = slow_forward_any_dtype(model, ids[b, real], row_local_plans(out.plans, mask, b), cfg.hidden,
-                                        cfg.residual, cfg.q)
+        ref, _ = slow_forward_any_dtype(model, ids[b, real], row_local_plans(out.plans, mask, b),
+                                        *branch_strategies(cfg), cfg.q)
         kept_real = [p for p in kept if mask[b, p]]
         assert torch.allclose(out.logits[b, kept_real], ref, atol=ATOL, rtol=0), b
         with torch.no_grad():

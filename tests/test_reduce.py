@@ -369,7 +369,7 @@ def test_apply_plan_pair_equals_two_branches(selection):
 def test_compiled_grid_argmax_equals_torch_path(monkeypatch):
     """The compiled scale/round/arg-max pass picks the same best similarities and first matches as torch ops,
     including exact ties (duplicated candidates) and an all-zero feature row."""
-    import hf_tokred.reduce as reduce_mod
+    import hf_tokred.select as reduce_mod
 
     for seed in range(5):
         g = torch.Generator().manual_seed(seed)
@@ -429,7 +429,7 @@ def test_select_takes_a_removal_count_per_row(selection):
 def test_compiled_grid_argmax_is_used_only_where_it_applies():
     """The compiled similarity pass takes fp32 CPU tensors without gradients (its documented contract); anything
     else gets ``None`` and the torch ops."""
-    import hf_tokred.reduce as reduce_mod
+    import hf_tokred.select as reduce_mod
 
     x = torch.zeros(2, 3, 4)
     assert reduce_mod._cpu_grid_argmax(x) is not None

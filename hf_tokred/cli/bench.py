@@ -10,19 +10,33 @@ import torch
 
 from ..bench import format_table, run_bench
 from ..models import check_model_spec
-from ..config import DEFAULT_METHOD, METHODS
+from ..config import DEFAULT_METHOD, LONG_CONTEXT_METHOD, METHODS, TokenReductionConfig
 from .common import UsageError, add_model_argument
 
 __all__ = ["add_parser"]
 
 
 def _cmd(args: argparse.Namespace) -> int:
+    if args.flops is None:  # the default levels, unless only token budgets were asked for
+        args.flops = "" if args.keep_tokens else "0.1,0.2,0.3"
     try:
         flops = tuple(float(f) for f in args.flops.split(",")) if args.flops else ()
     except ValueError:
         raise UsageError(f"--flops must be comma-separated numbers like 0.1,0.2,0.3, got {args.flops!r}") from None
     if any(not 0 < f < 1 for f in flops):
         raise UsageError(f"--flops values must be in (0, 1), got {args.flops}")
+    try:
+        budgets = tuple(int(k) for k in args.keep_tokens.split(",")) if args.keep_tokens else ()
+    except ValueError:
+        budgets = (0,)
+    if any(k < 1 for k in budgets):
+        raise UsageError(f"--keep-tokens must be comma-separated positive integers like 1024,2048, got "
+                         f"{args.keep_tokens!r}")
+    try:
+        TokenReductionConfig(method=args.method, keep_ratio=1.0,
+                             **({} if args.match_window is None else {"match_window": args.match_window}))
+    except (TypeError, ValueError) as err:
+        raise UsageError(f"--method/--match-window: {err}") from None
     if args.repeats < 1 or args.batch < 1 or args.length < 2:
         raise UsageError("--repeats and --batch must be >= 1 and --length >= 2")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -33,7 +47,7 @@ def _cmd(args: argparse.Namespace) -> int:
         raise UsageError(f"--model {args.model}: {err}") from None
     result = run_bench(args.model, args.batch, args.length, flops, args.method, args.repeats, args.warmup,
                        args.decode_tokens, args.threads, args.compare_stock, args.memory, args.device, args.dtype,
-                       memory_logits=args.memory_logits)
+                       memory_logits=args.memory_logits, keep_tokens=budgets, match_window=args.match_window)
     print(format_table(result))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
@@ -52,8 +66,14 @@ def add_parser(sub) -> None:
     add_model_argument(p, default="random:mamba-130m")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--length", type=int, default=2048, help="prompt length (tokens)")
-    p.add_argument("--flops", default="0.1,0.2,0.3", help="FLOPs-reduction levels to compare with dense")
-    p.add_argument("--method", choices=sorted(METHODS), default=DEFAULT_METHOD)
+    p.add_argument("--flops", default=None,
+                   help="FLOPs-reduction levels to compare with dense (default: 0.1,0.2,0.3 unless --keep-tokens)")
+    p.add_argument("--keep-tokens", default="", help="token budgets to compare with dense, e.g. 1024,2048 (see "
+                   "TokenReductionConfig.keep_tokens)")
+    p.add_argument("--method", choices=sorted(METHODS), default=None,
+                   help=f"default: {DEFAULT_METHOD} for --flops levels, {LONG_CONTEXT_METHOD} for --keep-tokens")
+    p.add_argument("--match-window", type=int, default=None,
+                   help="similarity-matching methods: destinations searched per candidate (0: exact global)")
     p.add_argument("--repeats", type=int, default=3, help="timed repeats per setting (interleaved)")
     p.add_argument("--warmup", type=int, default=1, help="untimed warm-up rounds")
     p.add_argument("--decode-tokens", type=int, default=16, help="decode steps timed after each prefill")

@@ -12,7 +12,7 @@ import functools
 import tqdm
 from transformers.utils import logging as hf_logging
 
-from ..config import DEFAULT_METHOD, METHODS, METRICS, STRATEGIES, TokenReductionConfig
+from ..config import DEFAULT_MATCH_WINDOW, DEFAULT_METHOD, LONG_CONTEXT_METHOD, METHODS, METRICS, STRATEGIES, TokenReductionConfig
 from ..models import check_model_spec, load_model
 from ..settings import apply_token_reduction
 
@@ -28,9 +28,13 @@ def add_reduction_arguments(parser: argparse.ArgumentParser, required: bool = Fa
     """The flags that build a TokenReductionConfig, shared by every subcommand."""
     g = parser.add_argument_group("token reduction")
     g.add_argument("--method", choices=sorted(METHODS), default=None,
-                   help=f"reduction method (default: {DEFAULT_METHOD} when --flops-reduction or --keep-ratio is given)")
+                   help=f"reduction method (default: {DEFAULT_METHOD} with --flops-reduction / --keep-ratio, "
+                        f"{LONG_CONTEXT_METHOD} with --keep-tokens)")
     g.add_argument("--flops-reduction", type=float, default=None, help="target FLOPs reduction, e.g. 0.2")
     g.add_argument("--keep-ratio", type=float, default=None, help="per-anchor keep ratio (instead of a FLOPs target)")
+    g.add_argument("--keep-tokens", type=int, default=None,
+                   help="token budget: blocks after the last anchor process at most this many tokens per sequence "
+                        "(instead of a ratio; shorter prompts are not reduced)")
     g.add_argument("--anchors", type=str, default=None, help="comma-separated anchor layers, e.g. 12,17,22")
     g.add_argument("--metric", choices=sorted(METRICS), default=None,
                    help="importance metric (default: the method's own; clip for the paper's methods)")
@@ -39,13 +43,16 @@ def add_reduction_arguments(parser: argparse.ArgumentParser, required: bool = Fa
     g.add_argument("--residual-strategy", choices=sorted(STRATEGIES), default=None, help="override (ablations)")
     g.add_argument("--protect-recent", type=float, default=0.0,
                    help="share of each sequence's most recent tokens that are never removed (default: 0)")
+    g.add_argument("--match-window", type=int, default=DEFAULT_MATCH_WINDOW,
+                   help="similarity-matching methods: destinations searched per candidate, near it "
+                        f"(0: exact global matching; default: {DEFAULT_MATCH_WINDOW})")
 
 
 def reduction_from_args(args: argparse.Namespace):
     """A TokenReductionConfig from the shared flags, or ``None`` for the dense model."""
-    if args.flops_reduction is None and args.keep_ratio is None:
+    if args.flops_reduction is None and args.keep_ratio is None and args.keep_tokens is None:
         if args.method is not None or args.anchors is not None:
-            raise UsageError("--method/--anchors need --flops-reduction or --keep-ratio")
+            raise UsageError("--method/--anchors need --flops-reduction, --keep-ratio or --keep-tokens")
         return None
     anchors = None
     if args.anchors:
@@ -55,9 +62,10 @@ def reduction_from_args(args: argparse.Namespace):
             raise UsageError(f"--anchors must be comma-separated integers, got {args.anchors!r}") from None
     try:
         return TokenReductionConfig(
-            method=args.method or DEFAULT_METHOD, flops_reduction=args.flops_reduction, keep_ratio=args.keep_ratio,
+            method=args.method, flops_reduction=args.flops_reduction, keep_ratio=args.keep_ratio,
             anchors=anchors, metric=args.metric, q=args.q, hidden_strategy=args.hidden_strategy,
-            residual_strategy=args.residual_strategy, protect_recent=args.protect_recent,
+            residual_strategy=args.residual_strategy, protect_recent=args.protect_recent, keep_tokens=args.keep_tokens,
+            match_window=args.match_window,
         )
     except (TypeError, ValueError) as err:
         raise UsageError(str(err)) from None
@@ -81,7 +89,7 @@ def load_for_command(spec: str, cfg=None, **kwargs):
         try:
             apply_token_reduction(model, cfg)
         except (TypeError, ValueError) as err:
-            raise UsageError(f"--flops-reduction/--keep-ratio/--anchors for --model {spec}: {err}") from None
+            raise UsageError(f"--flops-reduction/--keep-ratio/--keep-tokens/--anchors for --model {spec}: {err}") from None
     return model, tok
 
 

@@ -9,6 +9,7 @@ import torch
 
 from ..flops import flops_reduction
 from ..outputs import record_reduction
+from ..question import encode_document_question
 from .common import UsageError, add_model_argument, add_reduction_arguments, load_for_command, positive, \
     reduction_from_args
 
@@ -46,8 +47,10 @@ def _format_summary(summary: dict, cfg) -> str:
     if cfg is None:
         return f"[dense model: no token reduction; {n} prompt tokens computed by every layer]"
     if not after:
+        rule = (f"prompts of at most keep_tokens={cfg.keep_tokens} tokens are not reduced" if cfg.keep_tokens
+                else "each anchor removes n - ceil(n * keep_ratio)")
         return (f"[token reduction {cfg.method}: the {n}-token prompt is too short for any anchor to remove a token "
-                "(each anchor removes n - ceil(n * keep_ratio)); try a longer prompt]")
+                f"({rule}); try a longer prompt]")
     steps = ", ".join(f"layer {a}: {m}" for a, m in after.items())
     last = summary["layer_lengths"][-1]
     return (f"[token reduction {cfg.method}: kept {last}/{n} prompt tokens ({steps}); "
@@ -63,12 +66,16 @@ def _generate(args: argparse.Namespace) -> int:
     cfg = reduction_from_args(args)
     model, tok = load_for_command(args.model, cfg)
     torch.manual_seed(args.seed)
-    enc = tok(prompt, return_tensors="pt")
+    if args.question is not None and not args.question.strip():
+        raise UsageError("--question is empty: give the question that follows the document (or leave it out)")
+    enc = (tok(prompt, return_tensors="pt") if args.question is None
+           else encode_document_question(tok, prompt, args.question))
     if enc["input_ids"].shape[1] == 0:
         raise UsageError("the prompt encodes to no tokens: give some text to continue")
     with record_reduction() as records:
         out = model.generate(**enc, max_new_tokens=args.max_new_tokens, do_sample=args.sample,
                              pad_token_id=tok.pad_token_id, return_dict_in_generate=True)
+    prompt = prompt if args.question is None else prompt + args.question
     text = tok.decode(out.sequences[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
     summary = reduction_summary(model, records[0] if records else None, enc["input_ids"].shape[1])
     if args.json:
@@ -86,6 +93,8 @@ def add_parser(sub) -> None:
     p.add_argument("prompt", nargs="?", default=None,
                    help="text to continue (default: a built-in paragraph long enough to show the reduction)")
     add_model_argument(p)
+    p.add_argument("--question", default=None,
+                   help="a question after the prompt (the document): kept exactly as written, never reduced")
     p.add_argument("--max-new-tokens", type=int, default=40)
     p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     p.add_argument("--seed", type=int, default=0)

@@ -26,11 +26,17 @@ def _schedule(args: argparse.Namespace) -> int:
         s = cfg.resolve(layers) if config is None else resolve_schedule(cfg, config)
     except ValueError as err:
         raise UsageError(str(err)) from None
-    row = {"num_hidden_layers": layers, "anchors": list(s.anchors), "keep_ratio": round(s.keep_ratio, 6),
-           "flops_reduction_proxy": round(s.flops_reduction, 6)}
+    row = {"num_hidden_layers": layers, "anchors": list(s.anchors)}
+    if s.keep_tokens is None:
+        row.update(keep_ratio=round(s.keep_ratio, 6), flops_reduction_proxy=round(s.flops_reduction, 6))
+    else:  # a budget: what it saves depends on the prompt's length (the limit: nothing after the first anchor)
+        row.update(keep_tokens=s.keep_tokens, method=cfg.method, flops_reduction_proxy_limit=round(s.flops_reduction, 6))
+        if config is None:
+            row.update(length=args.length, layer_lengths=s.layer_lengths(args.length))
     if family is not None and family.hybrid:
         # the solver weighs a hybrid's layers by their FLOPs (not the paper's every-layer-alike proxy)
-        row["flops_reduction_layer_weighted"] = row.pop("flops_reduction_proxy")
+        proxy = "flops_reduction_proxy" if s.keep_tokens is None else "flops_reduction_proxy_limit"
+        row[proxy.replace("proxy", "layer_weighted")] = row.pop(proxy)
         row["layer_types"] = list(family.kinds(config))
         row["anchor_types"] = [row["layer_types"][a] for a in s.anchors]
     if config is not None:

@@ -15,12 +15,14 @@ def row_layer_lengths(out, real_lengths: Sequence[int], num_layers: int) -> list
     """Tokens each block processed, per row, from a forward's ``plans`` (dense: ``real_lengths`` everywhere).
 
     An anchor block still sees its full input; the blocks after anchor ``a`` see ``keep_mask.sum()`` of the
-    plan made at ``a``.
+    plan made at ``a`` (a plan that re-ran its anchor, ``plan.rerun``: the anchor also processed the kept tokens).
     """
     lengths = [[int(n)] * num_layers for n in real_lengths]
     for anchor, plan in getattr(out, "plans", None) or ():
         kept = plan.keep_mask.sum(1).tolist()
         for row, k in enumerate(kept):
+            if plan.rerun:
+                lengths[row][anchor] += int(k)
             for layer in range(anchor + 1, num_layers):
                 lengths[row][layer] = int(k)
     return lengths
