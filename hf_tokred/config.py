@@ -278,10 +278,10 @@ class TokenReductionConfig:
                              f"{self.residual}; name a method with a hybrid strategy (utrc, utrc_frozen, "
                              "utrc_reference), set hidden_strategy='hybrid', or leave q out")
         if (self.flops_reduction is None) == (self.keep_ratio is None):
-            raise ValueError(
-                "TokenReductionConfig needs exactly one of flops_reduction (e.g. 0.2) or keep_ratio (e.g. 0.9); "
-                f"got flops_reduction={self.flops_reduction!r}, keep_ratio={self.keep_ratio!r}"
-            )
+            why = ("both are given" if self.flops_reduction is not None else
+                   f"none is given; the method ({self.method}) and the other settings have defaults, the level has none")
+            raise ValueError("TokenReductionConfig needs a reduction level, exactly one of flops_reduction (e.g. 0.2) "
+                             f"or keep_ratio (e.g. 0.9): {why}")
         if self.flops_reduction is not None:
             set_(self, "flops_reduction", _real("flops_reduction", self.flops_reduction))
             if not 0.0 <= self.flops_reduction < 1.0:

@@ -9,6 +9,9 @@
   (:mod:`hf_tokred.loading`);
 * a ``token_reduction`` property on the supported config classes (:func:`hf_tokred.settings.settings_property`);
 * the settings-only variant's registration with ``AutoConfig`` / ``AutoModelForCausalLM``;
+* on hf_tokred's own ``TokenReductionConfig``: while uninstalled, a config handed to transformers
+  (``from_pretrained(..., token_reduction=TokenReductionConfig(...))``) is refused with "hf_tokred is uninstalled"
+  (:func:`_refuse_while_uninstalled`) instead of transformers' unrelated errors;
 * with ``fast_kernels`` (default; :func:`set_fast_kernels` switches them on their own): the Mamba-1 scan and
   convolution functions of ``modeling_mamba`` and ``modeling_falcon_mamba`` (:mod:`hf_tokred.fastpath`; the
   families table names them), and a log filter that drops
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -32,6 +36,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from . import fastpath
 from .compat import check_transformers_version
+from .config import TokenReductionConfig
 from .families import FAMILIES
 from .forwards import backbone_forward, generate, lm_forward
 from .loading import auto_config_from_pretrained, auto_model_from_pretrained, model_from_pretrained
@@ -96,6 +101,31 @@ def _register_variant() -> None:
                lambda: mapping._extra_content.pop(TokenReductionVariantConfig, None))
 
 
+UNINSTALLED = ("token_reduction= was given to transformers while hf_tokred is uninstalled (hf_tokred.uninstall() was "
+               "called), so stock transformers does not know it: call hf_tokred.install() first, or drop "
+               "token_reduction=")
+
+
+def _refuse_while_uninstalled(self: TokenReductionConfig, memo: dict) -> TokenReductionConfig:
+    """``TokenReductionConfig.__deepcopy__`` while hf_tokred is uninstalled.  transformers deep-copies the keyword
+    arguments of ``from_pretrained`` before it uses them, so a config handed to stock transformers stops here with the
+    reason (not transformers' "unexpected keyword argument" or "not JSON serializable"); any other deep copy is the
+    config itself (it is frozen)."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_globals.get("__name__") == "copy":
+        frame = frame.f_back
+    if frame is not None and str(frame.f_globals.get("__name__", "")).split(".")[0] == "transformers":
+        raise TypeError(UNINSTALLED)
+    return self
+
+
+def _guard_settings(on: bool) -> None:
+    if on:
+        TokenReductionConfig.__deepcopy__ = _refuse_while_uninstalled
+    elif "__deepcopy__" in TokenReductionConfig.__dict__:
+        del TokenReductionConfig.__deepcopy__
+
+
 def installed() -> bool:
     return bool(_CORE.undo)
 
@@ -136,6 +166,7 @@ def install(fast_kernels: bool | None = None) -> None:
         for auto_class in _auto_classes():
             _CORE.wrap_classmethod(auto_class, "from_pretrained", auto_model_from_pretrained)
         _register_variant()
+        _CORE.call(lambda: _guard_settings(False), lambda: _guard_settings(True))
     set_fast_kernels(fast_kernels)
 
 
