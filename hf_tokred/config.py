@@ -250,9 +250,10 @@ class TokenReductionConfig:
                              "prune_only and merge_only do); leave match_window out")
         levels = {name: getattr(self, name) for name in LEVELS if getattr(self, name) is not None}
         if len(levels) != 1:
-            got = ", ".join(f"{k}={v!r}" for k, v in levels.items()) or "none"
-            raise ValueError("TokenReductionConfig needs exactly one level: flops_reduction (e.g. 0.2), keep_ratio "
-                             f"(e.g. 0.9) or keep_tokens (e.g. 2048, a token budget); got {got}")
+            got = (", ".join(f"{k}={v!r}" for k, v in levels.items()) + " are given" if levels else
+                   f"none is given; the method ({self.method}) and the other settings have defaults, the level has none")
+            raise ValueError("TokenReductionConfig needs a reduction level, exactly one of flops_reduction (e.g. 0.2), "
+                             f"keep_ratio (e.g. 0.9) or keep_tokens (e.g. 2048, a token budget): {got}")
         if self.keep_tokens is not None:
             set_(self, "keep_tokens", _count("keep_tokens", self.keep_tokens))
         if self.flops_reduction is not None:

@@ -19,7 +19,7 @@ from .outputs import TokenReductionCausalLMOutput, TokenReductionModelOutput, co
 from .families import family_of
 from .settings import active
 
-__all__ = ["backbone_forward", "generate", "lm_forward", "reduced_loss"]
+__all__ = ["as_protected_mask", "backbone_forward", "generate", "lm_forward", "reduced_loss"]
 
 _BACKBONE_KEYS = (
     "input_ids", "inputs_embeds", "cache", "use_cache", "output_hidden_states", "attention_mask", "protected_mask",
@@ -48,6 +48,30 @@ def _length(p: dict) -> int:
     return (p["input_ids"] if p["input_ids"] is not None else p["inputs_embeds"]).shape[1]
 
 
+def as_protected_mask(mask: Any, like: torch.Tensor) -> torch.Tensor | None:
+    """``protected_mask`` as a tensor on ``like``'s device: a tensor, or a numpy array / nested list of bools or
+    0/1 integers; anything else is a ``TypeError`` naming what is accepted."""
+    if mask is None:
+        return None
+    if not torch.is_tensor(mask):
+        given = type(mask).__name__
+        try:
+            mask = torch.as_tensor(mask)
+        except (TypeError, ValueError, RuntimeError):
+            mask = None
+        if mask is None or mask.is_floating_point() or mask.is_complex() or (
+                mask.dtype != torch.bool and not bool(((mask == 0) | (mask == 1)).all())):
+            raise TypeError("protected_mask must be a bool tensor (or a numpy array / nested list of bools or 0/1) "
+                            f"of shape (batch, sequence), got {given}"
+                            f"{'' if mask is None else f' of {mask.dtype} values'}")
+    return mask.to(like.device)
+
+
+def _with_protected_mask(p: dict) -> dict:
+    prompt = p["input_ids"] if p["input_ids"] is not None else p["inputs_embeds"]
+    return {**p, "protected_mask": as_protected_mask(p.get("protected_mask"), prompt)}
+
+
 def backbone_forward(original):
     """``MambaModel.forward`` / ``Mamba2Model.forward``: hidden states aligned with the input positions."""
     signature = inspect.signature(original)
@@ -59,7 +83,7 @@ def backbone_forward(original):
             for key in _REDUCTION_KEYS:  # nothing is reduced, so every position survives as it is
                 kwargs.pop(key, None)
             return original(self, *args, **kwargs)
-        p = _bind(signature, self, args, kwargs)
+        p = _with_protected_mask(_bind(signature, self, args, kwargs))
         return_dict = p.pop("return_dict", None)
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         r = reduced_backbone(self, *settings, **p)
@@ -134,7 +158,7 @@ def lm_forward(original):
             for key in _REDUCTION_KEYS:
                 kwargs.pop(key, None)
             return original(self, *args, **kwargs)
-        p = _bind(signature, self, args, kwargs)
+        p = _with_protected_mask(_bind(signature, self, args, kwargs))
         labels, logits_to_keep = p.pop("labels"), p.pop("logits_to_keep")
         if compact and not isinstance(logits_to_keep, int):
             raise ValueError("compact_logits=True takes an int logits_to_keep (0 = every computed position); "
@@ -180,7 +204,7 @@ def generate(original):
         if prompt is None:
             return original(self, inputs, *args, **kwargs)
         if protected_mask is not None:
-            protected_mask = torch.as_tensor(protected_mask)
+            protected_mask = as_protected_mask(protected_mask, prompt)
             if tuple(protected_mask.shape) != tuple(prompt.shape[:2]):
                 raise ValueError(f"protected_mask must have the prompt's shape {tuple(prompt.shape[:2])} "
                                  f"(batch, prompt length), got {tuple(protected_mask.shape)}")

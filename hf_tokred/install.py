@@ -11,6 +11,9 @@
 * the settings-only variant's registration with ``AutoConfig`` / ``AutoModelForCausalLM``;
 * ``preprocess`` / ``_forward`` of ``TextGenerationPipeline``, for its ``question=`` argument
   (:mod:`hf_tokred.question`);
+* on hf_tokred's own ``TokenReductionConfig``: while uninstalled, a config handed to transformers
+  (``from_pretrained(..., token_reduction=TokenReductionConfig(...))``) is refused with "hf_tokred is uninstalled"
+  (:func:`_refuse_while_uninstalled`) instead of transformers' unrelated errors;
 * with ``fast_kernels`` (default; :func:`set_fast_kernels` switches them on their own): the Mamba-1 scan and
   convolution functions of ``modeling_mamba`` and ``modeling_falcon_mamba`` (:mod:`hf_tokred.fastpath`; the
   families table names them), and a log filter that drops
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -34,6 +38,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from . import fastpath
 from .compat import check_transformers_version
+from .config import TokenReductionConfig
 from .families import FAMILIES
 from .forwards import backbone_forward, generate, lm_forward
 from .loading import auto_config_from_pretrained, auto_model_from_pretrained, model_from_pretrained
@@ -99,6 +104,31 @@ def _register_variant() -> None:
                lambda: mapping._extra_content.pop(TokenReductionVariantConfig, None))
 
 
+UNINSTALLED = ("token_reduction= was given to transformers while hf_tokred is uninstalled (hf_tokred.uninstall() was "
+               "called), so stock transformers does not know it: call hf_tokred.install() first, or drop "
+               "token_reduction=")
+
+
+def _refuse_while_uninstalled(self: TokenReductionConfig, memo: dict) -> TokenReductionConfig:
+    """``TokenReductionConfig.__deepcopy__`` while hf_tokred is uninstalled.  transformers deep-copies the keyword
+    arguments of ``from_pretrained`` before it uses them, so a config handed to stock transformers stops here with the
+    reason (not transformers' "unexpected keyword argument" or "not JSON serializable"); any other deep copy is the
+    config itself (it is frozen)."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_globals.get("__name__") == "copy":
+        frame = frame.f_back
+    if frame is not None and str(frame.f_globals.get("__name__", "")).split(".")[0] == "transformers":
+        raise TypeError(UNINSTALLED)
+    return self
+
+
+def _guard_settings(on: bool) -> None:
+    if on:
+        TokenReductionConfig.__deepcopy__ = _refuse_while_uninstalled
+    elif "__deepcopy__" in TokenReductionConfig.__dict__:
+        del TokenReductionConfig.__deepcopy__
+
+
 def installed() -> bool:
     return bool(_CORE.undo)
 
@@ -141,6 +171,7 @@ def install(fast_kernels: bool | None = None) -> None:
         _register_variant()
         _CORE.setattr(TextGenerationPipeline, "preprocess", pipeline_preprocess(TextGenerationPipeline.preprocess))
         _CORE.setattr(TextGenerationPipeline, "_forward", pipeline_forward(TextGenerationPipeline._forward))
+        _CORE.call(lambda: _guard_settings(False), lambda: _guard_settings(True))
     set_fast_kernels(fast_kernels)
 
 

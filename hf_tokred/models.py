@@ -14,8 +14,7 @@ Model specs understood everywhere a command takes ``--model``:
 from __future__ import annotations
 
 import hashlib
-from importlib import resources
-from pathlib import Path
+import os
 from typing import Any
 
 import torch
@@ -24,33 +23,17 @@ from tokenizers import Tokenizer, decoders, pre_tokenizers
 from tokenizers.models import BPE
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
+from .bundled_models import BUNDLED, bundled_path
 from .convert import NEOX_REPO, checkpoint_tokenizer
 from .families import FAMILIES
 from .mamba_ssm_loading import original_config
 from .settings import UNSET, apply_token_reduction
 
-__all__ = ["BUNDLED", "KEEP", "bundled_path", "check_model_spec", "load_bundled", "load_model", "random_config",
-           "weights_fingerprint"]
+__all__ = ["BUNDLED", "KEEP", "bundled_path", "check_model_spec", "load_bundled", "load_model", "looks_like_a_folder",
+           "random_config", "weights_fingerprint"]
 
 #: ``load_model(..., token_reduction=KEEP)``: keep the settings saved in the checkpoint (if any).
 KEEP: Any = UNSET
-
-#: bundled models: the two small language models and the multi-query associative recall model (a Mamba-1 one,
-#: ``recall-mamba``, joins it once its training passes 90 % recall; README "Quality")
-BUNDLED = ("mamba", "mamba2", "recall-mamba2")
-
-
-def bundled_path(family: str) -> Path:
-    if family not in BUNDLED:
-        raise ValueError(f"unknown bundled model {family!r}; choose one of {', '.join(BUNDLED)}")
-    path = Path(str(resources.files("hf_tokred") / "bundled" / family))
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(
-            f"the bundled {family} model is missing from this installation ({path}); reinstall hf-tokred, or use "
-            "--model random:mamba-tiny / a local checkpoint"
-        )
-    return path
-
 
 def _reduction_kwargs(token_reduction: Any) -> dict:
     return {} if token_reduction is KEEP else {"token_reduction": token_reduction}
@@ -108,11 +91,20 @@ def weights_fingerprint(model: torch.nn.Module, samples: int = 1024) -> str:
     return digest.hexdigest()[:16]
 
 
+def looks_like_a_folder(spec: str) -> bool:
+    """Whether ``spec`` can only be a local path, never a Hub id (``name`` or ``owner/name``): absolute, ``~``,
+    ``.`` / ``..`` first, a backslash, a trailing ``/`` or more than one ``/``."""
+    return (os.path.isabs(spec) or spec.startswith(("~", "./", "../")) or spec in (".", "..") or "\\" in spec
+            or spec.endswith("/") or spec.count("/") > 1)
+
+
 def check_model_spec(spec: str) -> None:
-    """Raise ``ValueError`` naming the known specs when ``spec`` is a ``bundled:`` / ``random:`` name we do not have
-    (anything else is a local folder or Hub id, checked when it is loaded)."""
+    """Raise ``ValueError`` naming the known specs when ``spec`` is a ``bundled:`` / ``random:`` name we do not have,
+    or "no such folder" for a local path that does not exist (a Hub id is checked when it is loaded)."""
     if not isinstance(spec, str) or not spec.strip():
         raise ValueError(f"a model spec must be a non-empty string, got {spec!r}")
+    if looks_like_a_folder(spec) and not os.path.exists(spec):
+        raise ValueError(f"no such folder {spec!r} (a local model folder must exist; a Hub id looks like owner/name)")
     if spec.startswith("bundled:") and spec.removeprefix("bundled:") not in BUNDLED:
         raise ValueError(f"unknown bundled model {spec!r}; bundled models: "
                          f"{', '.join('bundled:' + b for b in BUNDLED)}")

@@ -1,6 +1,7 @@
 """Settings-only variants: a ``config.json`` that names a base model and token-reduction settings, no weights.
 
-``config.json`` has ``"model_type": "hf_tokred_variant"``, ``base_model`` (Hub id or path of the base), optional
+``config.json`` has ``"model_type": "hf_tokred_variant"``, ``base_model`` (Hub id or path of the base, or
+``bundled:NAME`` for a model shipped with hf_tokred, found in the installation that loads it), optional
 ``base_revision`` and the ``token_reduction`` dict.  Registered with ``AutoConfig`` / ``AutoModelForCausalLM`` by
 ``install()``, :class:`TokenReductionVariant` loads the *base* model with the saved settings applied and returns
 it (a stock ``MambaForCausalLM`` / ``Mamba2ForCausalLM``).  Writing and publishing variants: :mod:`hf_tokred.hub`.
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 from transformers import AutoModelForCausalLM, PreTrainedConfig
 
+from .bundled_models import bundled_name, bundled_path
 from .config import TokenReductionConfig
 from .settings import UNSET, pending_settings
 
@@ -95,4 +97,6 @@ class TokenReductionVariant:
             kwargs.pop(key, None)
         if config.base_revision:
             kwargs["revision"] = config.base_revision
+        if bundled_name(base):
+            base = bundled_path(bundled_name(base))
         return AutoModelForCausalLM.from_pretrained(base, *model_args, token_reduction=token_reduction, **kwargs)

@@ -79,7 +79,7 @@ def test_round_trip_dict():
         (dict(flops_reduction=1.0), ValueError, "flops_reduction"),
         (dict(flops_reduction=-0.1), ValueError, "flops_reduction"),
         (dict(flops_reduction=0.1, keep_ratio=0.9), ValueError, "exactly one"),
-        (dict(), ValueError, "exactly one"),
+        (dict(), ValueError, "needs a reduction level, exactly one of flops_reduction .* none is given"),
         (dict(keep_ratio=0.9, q=1.5), ValueError, "q"),
         (dict(keep_ratio=0.9, q=-0.1), ValueError, "q"),
         (dict(keep_ratio=0.9, anchors=[3, 1]), ValueError, "strictly increasing"),

@@ -320,7 +320,8 @@ def test_convert_keeps_a_tokenizer_the_source_has(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("case,code,needle", [
-    ("missing", 1, "no config.json found for SRC"),
+    ("missing", 2, "SRC: no such folder"),  # a local path that does not exist: a usage error
+    ("no-config", 1, "no config.json found for SRC"),  # a folder without a checkpoint: cannot be read
     ("transformers", 2, "is not an original mamba_ssm checkpoint"),
     ("dest-not-empty", 2, "already exists and is not an empty folder"),
 ])
@@ -329,6 +330,9 @@ def test_convert_user_errors_are_one_line(tmp_path, case, code, needle, capsys):
     dest = tmp_path / "dest"
     if case == "missing":
         src = tmp_path / "nowhere"
+    elif case == "no-config":
+        src = tmp_path / "empty"
+        src.mkdir()
     elif case == "transformers":
         AutoModelForCausalLM.from_pretrained(src).save_pretrained(tmp_path / "hf")
         src = tmp_path / "hf"

@@ -1,6 +1,7 @@
 """install() / uninstall() restore transformers exactly; services that need no lm-eval work without it;
 settings name the version that wrote them."""
 
+import copy
 import importlib.metadata
 import json
 import subprocess
@@ -9,6 +10,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from transformers import AutoModelForCausalLM, MambaForCausalLM
 
 import hf_tokred
 from hf_tokred import TokenReductionConfig
@@ -77,6 +79,29 @@ assert len(model(torch.randint(0, 64, (1, 20))).plans) == 1
 print("ok")
 """, tmp_path)
     assert out.strip().endswith("ok")
+
+
+def test_token_reduction_after_uninstall_says_the_plugin_is_uninstalled(tmp_path):
+    """After uninstall(), stock transformers gets token_reduction=TokenReductionConfig(...): the error names the cause
+    and the fix (hf_tokred.install()), for a concrete and an Auto class, and for a folder whose config.json already
+    carries settings (where transformers would fail on JSON); deep copies elsewhere still work; install() restores
+    reducing."""
+    cfg = TokenReductionConfig(keep_ratio=0.8)
+    plain = tmp_path / "plain"
+    model, tok = hf_tokred.models.load_model("random:mamba-tiny")
+    model.save_pretrained(plain)
+    reduced = tmp_path / "reduced"
+    hf_tokred.apply_token_reduction(model, cfg).save_pretrained(reduced)
+    hf_tokred.uninstall()
+    try:
+        assert copy.deepcopy({"settings": cfg})["settings"] == cfg
+        for cls in (MambaForCausalLM, AutoModelForCausalLM):
+            for folder in (plain, reduced):
+                with pytest.raises(TypeError, match=r"while hf_tokred is uninstalled .*call hf_tokred\.install\(\)"):
+                    cls.from_pretrained(folder, token_reduction=cfg)
+    finally:
+        hf_tokred.install()
+    assert hf_tokred.get_token_reduction(AutoModelForCausalLM.from_pretrained(plain, token_reduction=cfg)) == cfg
 
 
 def test_fast_kernels_have_their_own_switch(tmp_path):

@@ -185,6 +185,20 @@ def test_fused_plan_fp32_residual_bf16_hidden():
 
 
 @needs_triton
+@pytest.mark.parametrize("dtypes", [(torch.float16, torch.bfloat16), (torch.float64, torch.float64),
+                                    (torch.bfloat16, torch.float32)], ids=str)
+def test_fused_plan_other_dtype_pairs_run_exactly_cast(dtypes):
+    """Pairs outside the kernel's launch space (dispatch.LAUNCH_SPACE) run as ``kernel_dtype(pair)`` for both
+    branches: the result in the promoted dtype, equal to the fp32 reference on the fp32 inputs."""
+    res, h, _, _, plan = make_case("importance_similarity", dtype=dtypes[0], hid_dtype=dtypes[1], seed=8)
+    assert (res.dtype, h.dtype) not in dispatch.LAUNCH_SPACE["apply_plan_fused"]["dtypes"]
+    out = fused_apply_plan(res, h, plan, "merge", "hybrid_channel")
+    assert out.dtype == torch.promote_types(*dtypes)
+    ref = apply_plan_fused_reference(res.float(), h.float(), plan, "merge", "hybrid_channel")
+    torch.testing.assert_close(out.float(), ref, atol=1e-5, rtol=0)
+
+
+@needs_triton
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_fused_plan_gradients(backend):
     res, h, _, _, plan = make_case("importance_similarity", seed=5)
@@ -281,6 +295,34 @@ def test_scan_varlen_low_precision_within_one_ulp(dtype):
         assert y.dtype == dtype
         assert_within_one_ulp(y, ref_y)
         torch.testing.assert_close(h, ref_h, atol=1e-5, rtol=1e-5)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtypes", [(torch.bfloat16, torch.float32), (torch.float64, torch.float64)], ids=str)
+def test_scan_varlen_other_dtypes_run_exactly_cast(dtypes):
+    """Activations outside the launch space (mixed dtypes, fp64) run in ``kernel_dtype`` of them, exactly: equal to
+    the fp32 reference on the same values; ``y`` comes back in ``u``'s dtype."""
+    kw = scan_inputs((6, 1, 4), seed=13)
+    kw["u"], kw["z"] = kw["u"].to(dtypes[0]), kw["z"].to(dtypes[0])
+    kw["dt"] = kw["dt"].to(dtypes[1])
+    kw32 = {k: (v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v) for k, v in kw.items()}
+    ref_y, ref_h = selective_scan_varlen_ref(**kw32)
+    y, h = selective_scan_varlen(**kw)
+    assert y.dtype == dtypes[0]
+    torch.testing.assert_close(y.float(), ref_y.to(dtypes[0]).float(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(h, ref_h, atol=1e-5, rtol=1e-5)
+
+
+def test_scan_launcher_refuses_state_sizes_past_its_blocks(monkeypatch):
+    """On a GPU the scan's blocks come from dispatch.LAUNCH_SPACE; a state size no block holds is an error naming
+    the torch backend (not a kernel that was never compiled)."""
+    scan_triton = dispatch.load_triton_module("_selective_scan_triton")
+    monkeypatch.setattr(scan_triton, "_INTERPRET", False)
+    largest = dispatch.LAUNCH_SPACE["selective_scan_varlen"]["block"][-1][0]
+    assert scan_triton._blocks(1536, 16)[1] == 16
+    assert scan_triton._blocks(1536, largest)[1] == largest
+    with pytest.raises(ValueError, match=f"at most {largest} state indices.*force_backend"):
+        scan_triton._blocks(1536, largest + 1)
 
 
 def test_scan_reference_equals_transformers():

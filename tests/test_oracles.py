@@ -26,6 +26,7 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+import transformers  # noqa: E402
 
 import hf_tokred  # noqa: E402
 from hf_tokred import TokenReductionConfig, fastpath  # noqa: E402
@@ -43,9 +44,15 @@ SCAN_INPUTS = ("hidden_states", "dt", "A", "B", "C", "D", "z", "delta_bias")
 
 
 def test_stock_references_are_transformers_own():
+    """The captured functions' code lies in transformers' installed package and not in hf_tokred's (compared as
+    resolved folders, so a virtualenv or checkout whose path contains "hf_tokred" does not matter)."""
+    transformers_dir = Path(transformers.__file__).resolve().parent
+    plugin_dir = Path(hf_tokred.__file__).resolve().parent
     for fn in (STOCK.mamba_selective_scan, STOCK.causal_conv1d_fn, STOCK.mamba2_chunk_scan):
         assert fn.__module__.startswith("transformers.models.mamba"), fn
-        assert "hf_tokred" not in fn.__code__.co_filename
+        source = Path(fn.__code__.co_filename).resolve()
+        assert source.is_relative_to(transformers_dir), (source, transformers_dir)
+        assert not source.is_relative_to(plugin_dir), source
     assert modeling_mamba.mamba_selective_scan is not STOCK.mamba_selective_scan  # the plugin's dispatcher
     assert modeling_mamba.causal_conv1d_fn is not STOCK.causal_conv1d_fn
 

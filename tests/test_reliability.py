@@ -211,6 +211,33 @@ def test_generate_takes_protected_mask_for_the_prompt(family):
         model.generate(ids, max_new_tokens=2, protected_mask=protect[:, :5])
 
 
+def test_protected_mask_as_numpy_or_list_equals_the_tensor(family):
+    """protected_mask given as a numpy array or nested list protects the same positions as the bool tensor, in
+    forward and generate; floats, strings and other integers are a TypeError naming what is accepted."""
+    model = tiny_model(family, layers=8)
+    model.generation_config.eos_token_id = None
+    hf_tokred.apply_token_reduction(model, TokenReductionConfig(method="evit", keep_ratio=0.5, anchors=[1, 3]))
+    ids = rows(5, 2, 24)
+    protect = torch.zeros_like(ids, dtype=torch.bool)
+    protect[:, :6] = True
+    with torch.no_grad():
+        reference = model(ids, protected_mask=protect)
+        assert all(set(range(6)) <= set(k.tolist()) for k in reference.kept_positions)
+        for given in (protect.numpy(), protect.tolist(), protect.int().numpy(), protect.int().tolist()):
+            out = model(ids, protected_mask=given)
+            assert torch.equal(out.kept_positions, reference.kept_positions)
+            torch.testing.assert_close(out.logits, reference.logits, equal_nan=True, atol=0, rtol=0)
+        generated = model.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=0)
+        for given in (protect, protect.tolist()):
+            with hf_tokred.record_reduction() as records:
+                out = model.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=0, protected_mask=given)
+            assert all(set(range(6)) <= set(k) for k in records[0].kept_positions) and out.shape == generated.shape
+        for bad, what in ((protect.float().numpy(), "ndarray of torch.float32"), ("abc", "str"),
+                          ((protect.int() * 2).tolist(), "list of torch.int64")):
+            with pytest.raises(TypeError, match=f"protected_mask must be a bool tensor .*got {what}"):
+                model(ids, protected_mask=bad)
+
+
 def test_record_of_a_padded_batch_reduced_after_the_first_block(family):
     """``record_reduction`` with an anchor on block 0: the input lengths are each row's real tokens (counted from
     the mask by hand), block 0 computes all of them, the next block the row's kept tokens, and the kept positions
@@ -319,9 +346,12 @@ def test_cli_user_errors_are_one_line_exit_2(argv, needle, capsys, tmp_path):
 
 
 def test_cli_missing_model_is_one_line_exit_1(capsys):
-    assert main(["generate", "x", "--model", "/nonexistent/folder"]) == 1
+    """A Hub id that cannot be read (offline, not cached) exits 1; a missing local folder is a usage error (2)."""
+    assert main(["generate", "x", "--model", "no-such-owner/no-such-model"]) == 1
     err = capsys.readouterr().err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert main(["generate", "x", "--model", "/nonexistent/folder"]) == 2
+    assert "no such folder '/nonexistent/folder'" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------- 6. eval results of another model

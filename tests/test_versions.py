@@ -8,11 +8,13 @@ import inspect
 import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
 import torch
 import transformers
+from packaging.requirements import Requirement
 from packaging.version import Version
 from transformers import Mamba2Config, MambaConfig, MambaForCausalLM
 from transformers.models.mamba import modeling_mamba
@@ -52,6 +54,22 @@ def test_the_range_is_the_same_in_pyproject_and_ci():
     assert re.search(rf"^OLDEST_TRANSFORMERS={re.escape(str(lo))}$", ci, re.M)
     assert ci.rstrip().endswith(".venv/bin/python -m pytest -q tests/")  # the README's command, newest release
     assert '.venv-oldest/bin/python -m pytest -q tests/' in ci
+
+
+def test_pyproject_admits_the_torch_releases_users_have():
+    """No upper cap on torch (a GPU user's torch 2.14 / 2.15 stays in place): the range admits the releases .ci/run
+    installs and the current ones; the triton extras admit the triton that torch's CUDA builds pin."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    torch_spec = next(Requirement(r).specifier for r in project["dependencies"] if Requirement(r).name == "torch")
+    ci = (ROOT / ".ci" / "run").read_text()
+    tested = [re.search(rf"^{name}=(\S+)$", ci, re.M).group(1) for name in ("CPU_TORCH", "NEWER_TORCH")]
+    assert tested == ["2.13.0", "2.14.1"]
+    for version in (*tested, "2.15.0", "2.16.0", torch.__version__.split("+")[0]):
+        assert torch_spec.contains(version), (version, torch_spec)
+    for extra in ("triton", "gpu", "test"):
+        triton = next(Requirement(r) for r in project["optional-dependencies"][extra] if r.startswith("triton"))
+        for pinned in ("3.7.1", "3.8.0"):  # torch 2.13 / 2.14 CUDA builds
+            assert triton.specifier.contains(pinned), (extra, triton)
 
 
 # ----------------------------------------------------------------------------- each adapter: its choice by version ...

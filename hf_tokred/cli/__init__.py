@@ -10,7 +10,7 @@ import argparse
 import sys
 
 from . import bench, convert, eval, generate, push, report, schedule
-from .common import UsageError, quiet_libraries
+from .common import ArgumentParser, UsageError, cli_wording, quiet_libraries
 
 __all__ = ["COMMANDS", "UsageError", "build_parser", "main"]
 
@@ -19,7 +19,7 @@ COMMANDS = (generate, schedule, bench, eval, report, push, convert)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="hf-tokred",
         description="Token reduction for Hugging Face Mamba / Mamba-2 / Falcon Mamba models (UTRC and baselines).",
         epilog="Example: hf-tokred generate --model bundled:mamba --flops-reduction 0.2",
@@ -34,21 +34,28 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # said by the subcommand's parser, so the line names the subcommand and its --help
+        parser._subparsers._group_actions[0].choices[args.command].error(
+            f"unrecognized arguments: {' '.join(unknown)}")
     if not args.verbose:
         quiet_libraries()
     try:
         return args.func(args)
     except UsageError as err:
-        print(f"hf-tokred {args.command}: error: {err}", file=sys.stderr)
-        return 2
+        return _fail(args, err, 2)
     except (FileNotFoundError, OSError) as err:  # a model or data file that cannot be found or read
         if args.verbose:
             raise
-        print(f"hf-tokred {args.command}: error: {err}", file=sys.stderr)
-        return 1
+        return _fail(args, err, 1)
     except (ValueError, TypeError) as err:  # invalid input found deeper down (settings, shapes, lengths)
         if args.verbose:
             raise
-        print(f"hf-tokred {args.command}: error: {err}", file=sys.stderr)
-        return 2
+        return _fail(args, err, 2)
+
+
+def _fail(args: argparse.Namespace, err: Exception, code: int) -> int:
+    """One line on stderr (the first line of the message, settings named as flags); ``code`` is the exit code."""
+    text = (str(err).strip().splitlines() or [type(err).__name__])[0]
+    print(f"hf-tokred {args.command}: error: {cli_wording(text)}", file=sys.stderr)
+    return code

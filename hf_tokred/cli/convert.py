@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 import torch
 
 from ..convert import convert_checkpoint
+from ..models import looks_like_a_folder
+from .common import UsageError
 
 __all__ = ["add_parser"]
 
@@ -15,6 +18,9 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 
 
 def _convert(args: argparse.Namespace) -> int:
+    if looks_like_a_folder(args.src) and not os.path.exists(args.src):
+        raise UsageError(f"SRC: no such folder {args.src!r} (a local mamba_ssm checkpoint folder, or a Hub repo id "
+                         "such as state-spaces/mamba2-130m)")
     hub = {"revision": args.revision} if args.revision else {}
     result = convert_checkpoint(args.src, args.dest, dtype=_DTYPES.get(args.dtype), data_dir=args.data_dir, **hub)
     if args.json:

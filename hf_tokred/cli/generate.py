@@ -10,6 +10,7 @@ import torch
 from ..flops import flops_reduction
 from ..outputs import record_reduction
 from ..question import encode_document_question
+from ..settings import get_token_reduction
 from .common import UsageError, add_model_argument, add_reduction_arguments, load_for_command, positive, \
     reduction_from_args
 
@@ -42,18 +43,19 @@ def reduction_summary(model, record, prompt_tokens: int) -> dict:
     }
 
 
-def _format_summary(summary: dict, cfg) -> str:
+def _format_summary(summary: dict, cfg, saved: bool = False) -> str:
     n, after = summary["prompt_tokens"], summary["kept_after_anchor"]
     if cfg is None:
         return f"[dense model: no token reduction; {n} prompt tokens computed by every layer]"
+    name = f"{cfg.method} (the model's saved settings)" if saved else cfg.method
     if not after:
         rule = (f"prompts of at most keep_tokens={cfg.keep_tokens} tokens are not reduced" if cfg.keep_tokens
                 else "each anchor removes n - ceil(n * keep_ratio)")
-        return (f"[token reduction {cfg.method}: the {n}-token prompt is too short for any anchor to remove a token "
+        return (f"[token reduction {name}: the {n}-token prompt is too short for any anchor to remove a token "
                 f"({rule}); try a longer prompt]")
     steps = ", ".join(f"layer {a}: {m}" for a, m in after.items())
     last = summary["layer_lengths"][-1]
-    return (f"[token reduction {cfg.method}: kept {last}/{n} prompt tokens ({steps}); "
+    return (f"[token reduction {name}: kept {last}/{n} prompt tokens ({steps}); "
             f"prefill FLOPs {-100 * summary['prefill_flops_reduction']:+.1f} % (analytic, next-token logits only); "
             "decoding is not reduced]")
 
@@ -63,8 +65,9 @@ def _generate(args: argparse.Namespace) -> int:
     if not prompt.strip():
         raise UsageError("the prompt is empty: give some text to continue (or omit it for the built-in demo prompt)")
     positive("--max-new-tokens", args.max_new_tokens, "40")
-    cfg = reduction_from_args(args)
-    model, tok = load_for_command(args.model, cfg)
+    flags = reduction_from_args(args)
+    model, tok = load_for_command(args.model, flags)
+    cfg = get_token_reduction(model)  # the flags' settings, else those saved with the model (or None: dense)
     torch.manual_seed(args.seed)
     if args.question is not None and not args.question.strip():
         raise UsageError("--question is empty: give the question that follows the document (or leave it out)")
@@ -83,13 +86,15 @@ def _generate(args: argparse.Namespace) -> int:
                           "token_reduction": None if cfg is None else cfg.to_dict(), "reduction": summary}))
     else:
         print(prompt + text)
-        print(_format_summary(summary, cfg))
+        print(_format_summary(summary, cfg, saved=flags is None))
     return 0
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("generate", help="generate text with a (reduced) model",
-                       description="Generate a continuation; the prompt's prefill is token-reduced, decoding is not.")
+                       description="Generate a continuation; the prompt's prefill is token-reduced, decoding is not. "
+                                   "Without reduction flags a model runs with the settings saved in its config.json "
+                                   "(if any); the flags replace them.")
     p.add_argument("prompt", nargs="?", default=None,
                    help="text to continue (default: a built-in paragraph long enough to show the reduction)")
     add_model_argument(p)

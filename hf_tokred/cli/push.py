@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 import tempfile
@@ -83,6 +84,10 @@ def _push(args: argparse.Namespace) -> int:
         except OSError as err:
             raise UsageError(f"--model {args.model}: {err}") from None
         info_summary = summary(out)
+        base = info_summary.get("base_model")
+        if info_summary["kind"] == "settings-only" and base and os.path.isabs(base):
+            info_summary["note"] = (f"base_model is the local folder {base}: the variant loads on this machine only; "
+                                    "to publish one, pass the base's Hub id (--model owner/name) or --full-copy")
         if args.output is not None:
             print(json.dumps({"output": str(out), "uploaded": False, **info_summary}, indent=None if args.json else 2))
             return 0

@@ -8,9 +8,9 @@ import json
 from ..config import TokenReductionConfig
 from ..families import family_of
 from ..flops import flops_reduction, measured_proxy_reduction
-from ..settings import resolve_schedule
-from .common import UsageError, add_model_argument, add_reduction_arguments, load_for_command, positive, \
-    reduction_from_args
+from ..settings import get_token_reduction, resolve_schedule
+from .common import UsageError, add_model_argument, add_reduction_arguments, cli_wording, load_for_command, \
+    positive, reduction_from_args
 
 __all__ = ["add_parser"]
 
@@ -18,14 +18,16 @@ __all__ = ["add_parser"]
 def _schedule(args: argparse.Namespace) -> int:
     positive("--layers", args.layers, "24")
     positive("--length", args.length, "2048")
-    cfg = reduction_from_args(args) or TokenReductionConfig(flops_reduction=0.0)
-    config = load_for_command(args.model)[0].config if args.layers is None else None
+    cfg = reduction_from_args(args)
+    config = load_for_command(args.model, cfg)[0].config if args.layers is None else None
+    if cfg is None:  # the settings saved with the model, else none (the dense schedule)
+        cfg = (get_token_reduction(config) if config is not None else None) or TokenReductionConfig(flops_reduction=0.0)
     layers = args.layers or config.num_hidden_layers
     family = None if config is None else family_of(config)
     try:
         s = cfg.resolve(layers) if config is None else resolve_schedule(cfg, config)
     except ValueError as err:
-        raise UsageError(str(err)) from None
+        raise UsageError(cli_wording(str(err))) from None
     row = {"num_hidden_layers": layers, "anchors": list(s.anchors)}
     if s.keep_tokens is None:
         row.update(keep_ratio=round(s.keep_ratio, 6), flops_reduction_proxy=round(s.flops_reduction, 6))

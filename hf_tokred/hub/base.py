@@ -9,7 +9,7 @@ from typing import Any
 
 from huggingface_hub import ModelCard
 
-from ..models import BUNDLED, bundled_path
+from ..bundled_models import BUNDLED, BUNDLED_PREFIX
 
 __all__ = ["base_license", "is_hub_id", "settings_base", "special_spec"]
 
@@ -38,8 +38,8 @@ def settings_base(spec: str) -> str:
             f"{spec} has random weights that exist nowhere else, so a settings-only variant cannot point at them; "
             "publish a full copy instead (full_copy=True / --full-copy)"
         )
-    if kind == "bundled":
-        return str(bundled_path(spec.removeprefix("bundled:")))
+    if kind == "bundled":  # the same in every installation (a folder path would break once published)
+        return BUNDLED_PREFIX + spec.removeprefix(BUNDLED_PREFIX)
     if os.path.isdir(spec):
         return str(Path(spec).resolve())
     return spec

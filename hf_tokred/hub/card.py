@@ -127,7 +127,9 @@ def make_model_card(
     lengths = flops["layer_lengths"]
     shown = ", ".join(f"{n}" for n in lengths) if len(lengths) <= 24 else \
         ", ".join(map(str, lengths[:6])) + ", …, " + ", ".join(map(str, lengths[-3:]))
-    base_display = f"random weights ({base}, for testing only)" if special_spec(base) == "random" else base
+    base_display = {"random": f"random weights ({base}, for testing only)",
+                    "bundled": f"{base}, a small model shipped with hf-tokred (for trying it out)"}.get(
+        special_spec(base), base)
     settings = cfg.to_dict()
     template = resources.files("hf_tokred") / "model_cards" / "reduced_variant.md"
     return ModelCard.from_template(
@@ -173,6 +175,6 @@ def make_model_card(
 def _link(base: str) -> str:
     if is_hub_id(base):
         return f"https://huggingface.co/{base}"
-    if special_spec(base) == "random":
+    if special_spec(base) in ("random", "bundled"):
         return "https://pypi.org/project/hf-tokred/"
     return Path(base).resolve().as_uri() if os.path.exists(base) else base

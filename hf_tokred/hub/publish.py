@@ -37,6 +37,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 from ..config import TokenReductionConfig
 from ..evaluation.results import load_eval_results
 from ..families import FAMILIES
+from ..bundled_models import bundled_name, bundled_path
 from ..models import load_model, weights_fingerprint
 from ..settings import apply_token_reduction, get_token_reduction, resolve_schedule
 from ..variant import AUTO_MAP, VARIANT_FILE, VARIANT_MODEL_TYPE
@@ -151,10 +152,11 @@ def _write_settings_only(out: Path, model, spec: str, token_reduction, tokenizer
         raise ValueError("this model has no config._name_or_path to point a settings-only variant at; pass the "
                          "base's Hub id or folder, or publish a full copy (full_copy=True)")
     base = settings_base(spec)
+    source = bundled_path(bundled_name(base)) if bundled_name(base) else base  # where it loads from here
     if model is not None:
         config = model.config
     else:
-        config = AutoConfig.from_pretrained(base, **({"revision": base_revision} if base_revision else {}))
+        config = AutoConfig.from_pretrained(source, **({"revision": base_revision} if base_revision else {}))
     if getattr(config, "model_type", None) not in FAMILIES:
         raise ValueError(f"the base model {base!r} has model_type={getattr(config, 'model_type', None)!r}; "
                          "token-reduced variants need a Mamba or Mamba-2 model")
@@ -163,7 +165,7 @@ def _write_settings_only(out: Path, model, spec: str, token_reduction, tokenizer
     if result is not None:
         check_eval_matches(result, cfg, config, spec, model)
     if tokenizer is None:
-        tokenizer = _tokenizer_for(base, base_revision)
+        tokenizer = _tokenizer_for(source, base_revision)
     out.mkdir(parents=True, exist_ok=True)
     for stale in ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "generation_config.json"):
         if (out / stale).exists():  # left over from a full copy in the same folder

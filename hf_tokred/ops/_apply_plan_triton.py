@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .dispatch import LAUNCH_SPACE, kernel_dtype
+
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 # weight modes per branch (constexpr)
@@ -106,57 +108,59 @@ def build_csr(src, dst_slot, w_res, w_hid, M):
     return row_ptr, nz_tok, order
 
 
-def _block_d(D: int) -> int:
+_SPACE = LAUNCH_SPACE["apply_plan_fused"]
+
+
+def _block(D: int) -> tuple[int, int]:
+    """``(BLOCK_D, num_warps)``: on a GPU from :data:`~.dispatch.LAUNCH_SPACE`, the first block as wide as ``D``
+    (else the widest); in the interpreter the narrowest power of two that holds ``D`` (at most 256), for speed."""
     if _INTERPRET:
-        return min(triton.next_power_of_2(D), 256)
-    return min(triton.next_power_of_2(D), 512)
+        return min(triton.next_power_of_2(D), 256), 1
+    return next((b for b in _SPACE["block"] if b[0] >= D), _SPACE["block"][-1])
+
+
+def _weights(w, B, R, D, dummy):
+    """``(mode, pointer, row stride)`` of one branch's merge weights (fp32; ``dummy`` is never read when pruning)."""
+    if w is None:
+        return PRUNE, dummy, 0
+    if w.shape[-1] == 1:
+        return TOKEN, w.reshape(B * R).to(torch.float32).contiguous(), 1
+    wc = w.reshape(B * R, D).to(torch.float32).contiguous()
+    return CHANNEL, wc, wc.stride(0)
 
 
 def apply_plan_fused(residual, hidden, keep, keep_mask, src, dst_slot, w_res, w_hid, out_dtype):
     B, N, D = residual.shape
     M = keep.shape[1]
     R = src.shape[1]
-    device = residual.device
-    out = torch.empty(B, M, D, dtype=out_dtype, device=device)
+    if (residual.dtype, hidden.dtype) not in _SPACE["dtypes"]:  # e.g. fp64, or fp16 beside bf16: exact casts
+        dtype = kernel_dtype(residual.dtype, hidden.dtype)
+        residual, hidden = residual.to(dtype), hidden.to(dtype)
+    out = torch.empty(B, M, D, dtype=torch.promote_types(residual.dtype, hidden.dtype), device=residual.device)
     if B * M == 0:
-        return out
+        return out.to(out_dtype)
     if R == 0:
         w_res = w_hid = None
-    modes = []
-    ptrs = []
-    strides = []
-    for w in (w_res, w_hid):
-        if w is None:
-            modes.append(PRUNE)
-            ptrs.append(keep)  # dummy pointer, never read
-            strides.append(0)
-        elif w.shape[-1] == 1:
-            modes.append(TOKEN)
-            ptrs.append(w.reshape(B * R).to(torch.float32).contiguous())
-            strides.append(1)
-        else:
-            modes.append(CHANNEL)
-            wc = w.reshape(B * R, D).to(torch.float32).contiguous()
-            ptrs.append(wc)
-            strides.append(wc.stride(0))
-    if modes[0] or modes[1]:
+    keep_c = keep.to(torch.int64).contiguous()
+    src = src.to(torch.int64)
+    (mode_r, ptr_r, s_wr), (mode_h, ptr_h, s_wh) = (_weights(w, B, R, D, keep_c) for w in (w_res, w_hid))
+    if mode_r or mode_h:
         row_ptr, nz_tok, nz_r = build_csr(src, dst_slot, w_res, w_hid, M)
     else:
-        row_ptr = nz_tok = nz_r = keep  # dummies, never read
-    keep_c = keep.contiguous()
+        row_ptr = nz_tok = nz_r = keep_c  # dummies, never read
     kmask = keep_mask.to(torch.int8).contiguous()
-    BLOCK_D = _block_d(D)
+    BLOCK_D, warps = _block(D)
     grid = (B * M, triton.cdiv(D, BLOCK_D))
     _apply_plan_fused_kernel[grid](
         residual, hidden, out,
         keep_c, kmask,
         row_ptr, nz_tok, nz_r,
-        ptrs[0], ptrs[1],
+        ptr_r, ptr_h,
         M, D,
         residual.stride(0), residual.stride(1), residual.stride(2),
         hidden.stride(0), hidden.stride(1), hidden.stride(2),
-        strides[0], strides[1],
-        RES_MODE=modes[0], HID_MODE=modes[1], BLOCK_D=BLOCK_D,
-        num_warps=4 if BLOCK_D >= 256 else 2,
+        s_wr, s_wh,
+        RES_MODE=mode_r, HID_MODE=mode_h, BLOCK_D=BLOCK_D,
+        num_warps=warps,
     )
-    return out
+    return out.to(out_dtype)

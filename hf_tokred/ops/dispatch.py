@@ -15,13 +15,19 @@ The first time an op runs on a given path, one INFO record goes to the ``"hf_tok
 
 Triton is not imported by this module (it is looked up lazily), so ``import hf_tokred.ops`` works on machines
 without it.
+
+:data:`LAUNCH_SPACE` lists every specialisation the Triton launchers can compile on a GPU, axis by axis: the
+launchers take their block sizes, warps and dtypes from it (casting inputs of other dtypes exactly, see
+:func:`kernel_dtype`), and ``tests/test_triton_compile.py`` compiles every combination for sm_80 and sm_90.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import importlib.util
+import itertools
 import logging
 import os
 import threading
@@ -32,9 +38,13 @@ import torch
 
 __all__ = [
     "BACKENDS",
+    "KERNEL_DTYPES",
+    "LAUNCH_SPACE",
     "choose_backend",
     "force_backend",
     "interpret_requested",
+    "kernel_dtype",
+    "launch_points",
     "triton_available",
 ]
 
@@ -42,6 +52,46 @@ logger = logging.getLogger("hf_tokred")
 
 BACKENDS = ("auto", "torch", "triton")
 _ENV = "HF_TOKRED_KERNEL_BACKEND"
+
+#: The activation dtypes the Triton kernels are compiled for (they compute in fp32 and round once on storing).
+KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+_F32, _F16, _BF16 = KERNEL_DTYPES
+
+#: Every specialisation a launcher compiles on a GPU: per kernel, the values of each axis (all combinations run).
+#: Under TRITON_INTERPRET=1 smaller blocks run instead (interpreted kernels are never compiled).
+LAUNCH_SPACE: dict[str, dict[str, tuple]] = {
+    "apply_plan_fused": {
+        # (residual, hidden): one dtype, or an fp32 residual (residual_in_fp32) beside a half-precision hidden state;
+        # any other pair runs as kernel_dtype(pair) for both
+        "dtypes": ((_F32, _F32), (_F16, _F16), (_BF16, _BF16), (_F32, _F16), (_F32, _BF16)),
+        "RES_MODE": (0, 1, 2),  # per branch: 0 prune, 1 one merge weight per token, 2 one per channel
+        "HID_MODE": (0, 1, 2),
+        "block": ((512, 4),),  # (BLOCK_D, num_warps): one output row's channels in blocks of 512 lanes
+    },
+    "selective_scan_varlen": {
+        "dtype": KERNEL_DTYPES,  # u, dt, B, C, z and y; A, D, dt_bias and the states are fp32
+        "HAS_Z": (False, True),
+        "SOFTPLUS": (False, True),
+        # (BLOCK_N, BLOCK_D, num_warps): the smallest BLOCK_N >= the state size (16 for every released Mamba-1;
+        # larger states are refused), the fp32 state tile BLOCK_D x BLOCK_N kept at <= 4096 elements
+        "block": ((16, 64, 4), (64, 32, 4), (256, 16, 4)),
+    },
+}
+
+
+def launch_points(kernel: str) -> list[dict]:
+    """Every combination of :data:`LAUNCH_SPACE` ``[kernel]``'s axes, as ``{axis: value}`` dicts."""
+    axes = LAUNCH_SPACE[kernel]
+    return [dict(zip(axes, values)) for values in itertools.product(*axes.values())]
+
+
+def kernel_dtype(*dtypes: torch.dtype) -> torch.dtype:
+    """The dtype of :data:`KERNEL_DTYPES` that inputs of ``dtypes`` run in: their promoted dtype when it is one, else
+    fp32.  Exact: the kernels load every input as fp32, so casting a wider input to fp32 first changes nothing."""
+    promoted = functools.reduce(torch.promote_types, dtypes)
+    return promoted if promoted in KERNEL_DTYPES else torch.float32
+
 
 _lock = threading.Lock()
 _logged: set[tuple[str, str, str]] = set()
