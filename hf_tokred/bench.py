@@ -40,6 +40,7 @@ class BenchSetting:
     prefill_s: list[float] = field(default_factory=list)
     decode_s: list[float] = field(default_factory=list)
     overhead_s: list[float] = field(default_factory=list)
+    score_s: list[float] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -63,6 +64,7 @@ def _prefill_and_decode(model, ids, setting: BenchSetting, decode_tokens: int, d
             _sync(device)
             setting.prefill_s.append(time.perf_counter() - t0)
         setting.overhead_s.append(sum(r.plan_seconds + r.apply_seconds for r in records))
+        setting.score_s.append(sum(r.score_seconds for r in records))
         hybrid = family_of(model).hybrid
         cache, nxt = cache_of(out, hybrid), out.logits[:, -1:].argmax(-1)
         setting.extra["kv_cache_mib"] = kv_cache_bytes(cache) / 2**20
@@ -155,6 +157,9 @@ def _row(s: BenchSetting, dense: float, config, batch: int, length: int, decode_
         "reduction_overhead_share": statistics.median(s.overhead_s) / dense if s.token_reduction else 0.0,
         "reduction_overhead_share_of_own_forward": (statistics.median(s.overhead_s) / med
                                                     if s.token_reduction else 0.0),
+        # a method that re-runs its anchor (prefilter): its scoring pass, a share of the dense forward (the FLOPs
+        # figures count it: the anchor's layer length is its input plus the kept tokens)
+        "scoring_pass_share": statistics.median(s.score_s) / dense if s.score_s else 0.0,
         "layer_lengths": lengths,
         "flops_reduction_exact": flops_reduction(config, lengths, length, batch=batch,
                                                  lm_head_positions=1, dense_lm_head_positions=1),
@@ -210,7 +215,7 @@ def run_bench(
     for _ in tqdm(range(warmup), desc="warm-up", disable=not progress or not warmup):
         for s in settings:
             _prefill_and_decode(model, ids, s, min(decode_tokens, 2), dev)
-            s.prefill_s.clear(), s.decode_s.clear(), s.overhead_s.clear()
+            s.prefill_s.clear(), s.decode_s.clear(), s.overhead_s.clear(), s.score_s.clear()
     for _ in tqdm(range(repeats), desc="repeats", disable=not progress):
         for s in settings:  # interleaved, so drift affects every setting alike
             _prefill_and_decode(model, ids, s, decode_tokens, dev)
@@ -250,6 +255,7 @@ def format_table(result: dict[str, Any]) -> str:
     head = (f"{result['model']}  batch {result['batch']} x {result['length']} tokens  {result['threads']} threads  "
             f"{result['device']} {result['dtype']}  (median of {result['repeats']})")
     cols = ["setting", "prefill s (min-max)", "tok/s", "speed-up", "ideal", "decode tok/s", "overhead (of dense)",
+            "scoring pass",
             "FLOPs red. exact/proxy", "peak MiB", "KV cache MiB (saved)"]
     lines = [head, "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in result["rows"]:
@@ -262,6 +268,7 @@ def format_table(result: dict[str, Any]) -> str:
             f"{r['ideal_speedup']:.2f}x" if "ideal_speedup" in r else "-",
             f"{r['decode_tokens_per_s']:.1f}" if r["decode_tokens_per_s"] else "-",
             f"{r['reduction_overhead_share']:.1%}",
+            f"{r['scoring_pass_share']:.1%}" if r.get("scoring_pass_share") else "-",
             f"{r['flops_reduction_exact']:.1%} / {r['flops_reduction_proxy']:.1%}",
             f"{r['peak_mib']:.0f}" if r.get("peak_mib") is not None else "-",
             f"{r['kv_cache_mib']:.2f} (-{r['kv_cache_saving']:.0%})" if r.get("kv_cache_mib") else "-",

@@ -144,11 +144,13 @@ def _step_sizes(mixer, family, wanted: bool):
         handle.remove()
 
 
-def _plan_at(block, family, hidden, cache, layer_mask, tokens: "_Tokens", cfg, removal, mixer_kwargs, timer):
+def _plan_at(block, family, hidden, cache, layer_mask, tokens: "_Tokens", cfg, removal, mixer_kwargs, timer,
+             mixer_timed: str | None = None):
     """An anchor block's two branches (``residual``, ``h = mixer(norm(x))``) and the plan made from ``h``.
 
     Only the first ``prefix`` columns (the prompt, when a no-cache ``generate`` re-runs prompt + generated tokens)
-    are planned over; the columns after them are kept as they are, exactly as with a cache.
+    are planned over; the columns after them are kept as they are, exactly as with a cache.  ``mixer_timed``: the
+    record field the mixer's time goes to (the scoring pass of a method that re-runs its anchor).
     """
     norm, mixer = getattr(block, family.norm_attr), getattr(block, family.mixer_attr)
     residual = hidden
@@ -156,7 +158,8 @@ def _plan_at(block, family, hidden, cache, layer_mask, tokens: "_Tokens", cfg, r
     if getattr(block, "residual_in_fp32", False):
         residual = residual.to(torch.float32)
     metric = cfg.importance_metric
-    with _step_sizes(mixer, family, metric == "delta") as delta:
+    timed = timer(mixer_timed) if mixer_timed else contextlib.nullcontext()
+    with timed, _step_sizes(mixer, family, metric == "delta") as delta:
         h = mixer(h, **cache_kwargs(cache), attention_mask=layer_mask, **mixer_kwargs)
     if family.residual_multiplier:
         h = h * getattr(block, family.residual_multiplier)
@@ -189,7 +192,9 @@ def _prefilter(block, family, hidden, layer_mask, tokens, cfg, removal, mixer_kw
     """A method that re-runs its anchor (``MethodSpec.rerun``): a first pass of the anchor's mixer, which writes
     no cache, scores the tokens; the plan prunes the anchor's *input*, so the anchor block itself and every block
     after it run on the kept tokens only (the caller runs it)."""
-    _, _, plan = _plan_at(block, family, hidden, None, layer_mask, tokens, cfg, removal, mixer_kwargs, timer)
+    if not any(removal(n) for n in tokens.prompt_lengths()):
+        return hidden, None  # every row within the budget: no scoring pass, the block runs as dense
+    _, _, plan = _plan_at(block, family, hidden, None, layer_mask, tokens, cfg, removal, mixer_kwargs, timer, "score")
     if plan is None:
         return hidden, None
     with timer("apply"):
@@ -250,6 +255,23 @@ class _Tokens:
 
     def prompt_lengths(self) -> list[int]:
         return self.real[:, : self.prefix].sum(1).tolist()
+
+
+def _start_tokens(B, N, device, attention_mask, prompt, reducing, cfg, schedule, protected_mask,
+                  question_length) -> _Tokens:
+    """The columns' state before block 0: real tokens, and for a reducing forward the protected and frozen ones
+    (the question; from ``generate``'s prompt when not given), checked against the budget."""
+    real = (torch.ones(B, N, dtype=torch.bool, device=device) if attention_mask is None
+            else attention_mask[:, -N:].to(device=device, dtype=torch.bool))
+    t = _Tokens(real, None, None, torch.arange(N, device=device).expand(B, N), min(prompt.length, N))
+    question_length = question_length if question_length is not None else prompt.question_length
+    if reducing:
+        t.frozen = None if question_length is None else _question_mask(question_length, real, t.prefix)
+        t.protected = _initial_protection(real, t.prefix, (protected_mask, prompt.protected_mask), cfg.protect_recent)
+        if t.frozen is not None:
+            t.protected |= t.frozen
+        schedule.check_budget(t.prompt_lengths())
+    return t
 
 
 def _question_mask(question_length, real: torch.Tensor, prefix: int) -> torch.Tensor:
@@ -319,16 +341,7 @@ def reduced_backbone(backbone, cfg: TokenReductionConfig, schedule: ResolvedSche
     if reducing and attention_mask is not None and attention_mask.shape[1] != N:
         raise ValueError(f"attention_mask must have shape (batch, length) = {(B, N)} for a forward without a "
                          f"cache; got {tuple(attention_mask.shape)}")
-    real = (torch.ones(B, N, dtype=torch.bool, device=device) if attention_mask is None
-            else attention_mask[:, -N:].to(device=device, dtype=torch.bool))
-    t = _Tokens(real, None, None, torch.arange(N, device=device).expand(B, N), min(prompt.length, N))
-    question_length = question_length if question_length is not None else prompt.question_length
-    if reducing:
-        t.frozen = None if question_length is None else _question_mask(question_length, real, t.prefix)
-        t.protected = _initial_protection(real, t.prefix, (protected_mask, prompt.protected_mask), cfg.protect_recent)
-        if t.frozen is not None:
-            t.protected |= t.frozen
-        schedule.check_budget(t.prompt_lengths())
+    t = _start_tokens(B, N, device, attention_mask, prompt, reducing, cfg, schedule, protected_mask, question_length)
     attention = _attention_layers(backbone, family, cache, position_ids, use_cache, fresh, B, N, device)
     if attention is not None:
         kwargs = {}

@@ -73,6 +73,7 @@ class ReductionRecord:
     kept_positions: list[list[int]] = field(default_factory=list)
     plan_seconds: float = 0.0
     apply_seconds: float = 0.0
+    score_seconds: float = 0.0  # the extra scoring pass of a method that re-runs its anchor (prefilter)
 
 
 @dataclass
@@ -109,7 +110,8 @@ def record_reduction(timing: bool = False):
         print(records[0].layer_lengths[0])   # tokens each block computed for the prompt
 
     ``timing=True`` also measures the reduction's own cost (``plan_seconds``, ``apply_seconds``), synchronising
-    the device around each part (what ``hf-tokred bench`` reports as overhead).
+    the device around each part (what ``hf-tokred bench`` reports as overhead), and the scoring pass of a method
+    that re-runs its anchor (``score_seconds``, reported beside it).
     """
     recorder = _Recorder([], timing)
     token = _RECORDER.set(recorder)

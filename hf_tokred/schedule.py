@@ -136,8 +136,9 @@ class ResolvedSchedule:
         for layer in range(self.num_hidden_layers):
             lengths.append(n)
             if layer in self.anchors:
-                n -= self.removal(n, self.anchors.index(layer))
-                if self.rerun:
+                removed = self.removal(n, self.anchors.index(layer))
+                n -= removed
+                if self.rerun and removed:  # (an anchor that removes nothing skips its scoring pass)
                     lengths[-1] += n
         return lengths
 

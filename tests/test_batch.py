@@ -551,7 +551,7 @@ BAD_SETTINGS = [
     (dict(keep_ratio=0.9, anchors=[0, -1]), "anchors"),
     (dict(keep_ratio=0.9, anchors=3), "anchors"),
     (dict(keep_ratio=0.9, anchors=[1, None]), "anchors"),
-    (dict(keep_ratio=0.9, method=None), "method"),
+    (dict(keep_ratio=0.9, method=""), "method"),  # (None is "not named": the default method)
     (dict(keep_ratio=0.9, metric="cos"), "metric"),
     (dict(keep_ratio=0.9, residual_strategy=""), "residual_strategy"),
     (dict(keep_ratio=0.9, hidden_strategy=1), "hidden_strategy"),

@@ -34,8 +34,12 @@ def test_budget_lengths_by_hand(n, k, anchors, expected):
         cur -= budget_removal_count(cur, k, anchors - j, pairs=False)
         kept.append(cur)
     assert kept == expected
-    s = TokenReductionConfig(keep_tokens=k, anchors=list(range(anchors))).resolve(anchors + 1)
+    s = TokenReductionConfig(keep_tokens=k, method="front_prune", anchors=list(range(anchors))).resolve(anchors + 1)
     assert s.layer_lengths(n)[1:] == expected
+    # the long-context default re-runs each anchor on what it keeps: the anchor computes its input and its output
+    s = TokenReductionConfig(keep_tokens=k, anchors=list(range(anchors))).resolve(anchors + 1)
+    inputs = [n] + expected[:-1]
+    assert s.layer_lengths(n) == [i + o if o < i else i for i, o in zip(inputs, expected)] + [expected[-1]]
 
 
 def test_pairing_cap_and_the_error_that_names_the_fix():
@@ -63,8 +67,8 @@ def test_defaults_of_a_budget():
     (dict(keep_tokens=0), ValueError, "positive int"),
     (dict(keep_tokens=2.5), TypeError, "positive int"),
     (dict(keep_tokens=True), TypeError, "positive int"),
-    (dict(keep_tokens=8, keep_ratio=0.5), ValueError, "exactly one level"),
-    (dict(keep_tokens=8, flops_reduction=0.2), ValueError, "exactly one level"),
+    (dict(keep_tokens=8, keep_ratio=0.5), ValueError, "exactly one of"),
+    (dict(keep_tokens=8, flops_reduction=0.2), ValueError, "exactly one of"),
     (dict(), ValueError, "keep_tokens"),
     (dict(keep_tokens=8, match_window=-1), ValueError, "match_window"),
     (dict(keep_tokens=8, match_window=64), ValueError, "no effect"),  # front_prune matches nothing
@@ -131,7 +135,7 @@ def test_budget_equals_the_slow_row_implementation(family, anchors):
 
 def test_front_prune_budget_with_a_question_equals_the_slow_row(family):
     model = tiny_model(family)
-    hf_tokred.apply_token_reduction(model, TokenReductionConfig(keep_tokens=10))  # front_prune at block 0
+    hf_tokred.apply_token_reduction(model, TokenReductionConfig(keep_tokens=10, method="front_prune"))
     row = random_rows(5, [48])[0]
     with torch.no_grad():
         out = model(row[None], question_length=6)

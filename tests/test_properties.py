@@ -141,12 +141,26 @@ def configs(draw, layers=LAYERS, max_keep=1.0, method=None):
 @given(cfg=configs(layers=None))
 def test_config_round_trips_through_json(cfg):
     d = cfg.to_dict()
-    assert set(d) == {"method", "flops_reduction", "keep_ratio", "anchors", "metric", "q", "hidden_strategy",
-                      "residual_strategy", "protect_recent", "version"}  # every field, always, and the version
+    assert set(d) == {"method", "flops_reduction", "keep_ratio", "keep_tokens", "anchors", "metric", "q",
+                      "hidden_strategy", "residual_strategy", "protect_recent", "match_window",
+                      "version"}  # every field, always, and the version
     again = TokenReductionConfig.from_dict(json.loads(json.dumps(d)))
     assert again == cfg and again.to_dict() == d
     assert TokenReductionConfig.coerce(d) == cfg
     event(f"method={cfg.method}")
+
+
+@fast(100)
+@given(k=st.integers(1, 10**6), method=st.sampled_from([None, "front_prune", "evit", "prefilter", "utrc", "tome"]),
+       window=st.integers(0, 4096), recent=st.floats(0.0, 0.9))
+def test_budget_config_round_trips_through_json(k, method, window, recent):
+    windowed = method in ("utrc", "tome")
+    cfg = TokenReductionConfig(keep_tokens=k, method=method, protect_recent=recent,
+                               **({"match_window": window} if windowed else {}))
+    d = json.loads(json.dumps(cfg.to_dict()))
+    assert d["keep_tokens"] == k and d["keep_ratio"] is None and d["flops_reduction"] is None
+    assert d["match_window"] == (window if windowed else hf_tokred.config.DEFAULT_MATCH_WINDOW)
+    assert TokenReductionConfig.from_dict(d) == cfg
 
 
 @fast(20)
