@@ -29,12 +29,8 @@ EVAL_SEED = 1_000_000
 def at_depth(settings: MQARSettings, n: int, length: int, depth: float, seed: int = EVAL_SEED):
     """A batch of ``length``-token sequences: the key-value block after ``depth`` of the filler."""
     s = replace(settings, seq_len=length)
-    b = make_batch(s, n, seed)
-    pairs = 2 * s.num_pairs
-    f = s.filler_len
-    before = round(depth * f)
+    b = make_batch(s, n, seed, depth=depth)
     ids = b.input_ids
-    ids = torch.cat([ids[:, pairs:pairs + before], ids[:, :pairs], ids[:, pairs + before:]], 1)
     return ids, b.query_positions, b.answers, 2 * s.num_queries
 
 

@@ -39,6 +39,26 @@ def test_mqar_sequences_follow_the_definition():
     assert torch.equal(labels[:, b.query_positions + 1], b.answers) and b.protected_mask.sum() == 16 * s.num_queries
 
 
+@pytest.mark.parametrize("depth", [0.5, 1.0, None])
+def test_mqar_depth_moves_only_the_key_value_block(depth):
+    s = MQARSettings(seq_len=96)
+    flat = make_batch(s, 8, seed=5)
+    b = make_batch(s, 8, seed=5, depth=depth)
+    pairs, f = 2 * s.num_pairs, s.filler_len
+    befores = set()
+    for row, ref in zip(b.input_ids.tolist(), flat.input_ids.tolist()):
+        # by hand: the first `before` filler tokens of the flat row, then its pairs, the rest, the same queries
+        before = next(k for k in range(f + 1) if row[k:k + pairs] == ref[:pairs] and row[:k] == ref[pairs:pairs + k])
+        assert depth is None or before == round(depth * f)
+        assert row[before + pairs:] == ref[pairs + before:]
+        befores.add(before)
+    assert depth is not None or len(befores) > 2  # random depths differ between rows
+    assert torch.equal(b.answers, flat.answers) and torch.equal(b.query_positions, flat.query_positions)
+    assert torch.equal(make_batch(s, 8, seed=5, depth=0.0).input_ids, flat.input_ids)
+    with pytest.raises(ValueError, match="depth must be in"):
+        make_batch(s, 1, seed=5, depth=1.5)
+
+
 @pytest.mark.parametrize("kwargs,needle", [
     (dict(num_pairs=40), "num_pairs"), (dict(num_queries=9), "num_queries"), (dict(seq_len=40), "filler"),
     (dict(vocab_size=60), "vocab_size"), (dict(seq_len=0), "seq_len"),

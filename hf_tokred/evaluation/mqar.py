@@ -115,8 +115,14 @@ class MQARBatch:
         return mask
 
 
-def make_batch(settings: MQARSettings, n: int, seed: int, start: int = 0) -> MQARBatch:
-    """Sequences ``start, ..., start + n - 1`` of the set ``seed`` (each row depends only on ``(seed, index)``)."""
+def make_batch(settings: MQARSettings, n: int, seed: int, start: int = 0, depth: float | None = 0.0) -> MQARBatch:
+    """Sequences ``start, ..., start + n - 1`` of the set ``seed`` (each row depends only on ``(seed, index)``).
+
+    ``depth``: the share of the filler placed before the key-value block (0: the block opens the sequence, the
+    benchmark's layout; 1: it ends right before the queries); ``None`` draws it per row, uniformly (training for
+    any depth).  Every depth uses the same keys, values, filler and queries, so depths differ only in layout."""
+    if depth is not None and not (isinstance(depth, (int, float)) and 0.0 <= depth <= 1.0):
+        raise ValueError(f"make_batch: depth must be in [0, 1] (or None for a random depth per row), got {depth!r}")
     s = settings
     rows, answers = [], []
     for index in range(start, start + n):
@@ -127,7 +133,9 @@ def make_batch(settings: MQARSettings, n: int, seed: int, start: int = 0) -> MQA
         asked = torch.randperm(s.num_pairs, generator=g)[: s.num_queries]
         pairs = torch.stack([keys, values], 1).reshape(-1)
         queries = torch.stack([keys[asked], values[asked]], 1).reshape(-1)
-        rows.append(torch.cat([pairs, filler, queries]))
+        share = depth if depth is not None else float(torch.rand((), generator=g))
+        before = round(share * s.filler_len)
+        rows.append(torch.cat([filler[:before], pairs, filler[before:], queries]))
         answers.append(values[asked])
     return MQARBatch(torch.stack(rows), s.query_positions, torch.stack(answers))
 
