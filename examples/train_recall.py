@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from transformers import Mamba2Config, Mamba2ForCausalLM, MambaConfig, MambaForCausalLM
+from transformers import AutoModelForCausalLM, Mamba2Config, Mamba2ForCausalLM, MambaConfig, MambaForCausalLM
 
 from hf_tokred.evaluation.mqar import MQARSettings, make_batch, recall_hits, tokenizer
 
@@ -51,11 +51,11 @@ def build(family, settings, hidden, layers, state=16):
 
 
 @torch.no_grad()
-def accuracy(model, settings: MQARSettings, n: int = 256, batch: int = 64) -> float:
+def accuracy(model, settings: MQARSettings, n: int = 256, batch: int = 64, depth: float | None = 0.0) -> float:
     model.eval()
     hits = []
     for start in range(0, n, batch):
-        b = make_batch(settings, min(batch, n - start), EVAL_SEED, start)
+        b = make_batch(settings, min(batch, n - start), EVAL_SEED, start, depth=depth)
         hits.append(recall_hits(model(input_ids=b.input_ids, use_cache=False).logits.float(), b))
     model.train()
     return torch.cat(hits).float().mean().item()
@@ -74,11 +74,12 @@ def curriculum(settings: MQARSettings, step: int, warm: int) -> MQARSettings:
     return replace(settings, seq_len=min(length, settings.seq_len), min_filler_share=0.0)
 
 
-def training_batch(settings: MQARSettings, n: int, seed: int, step: int, mix: bool):
+def training_batch(settings: MQARSettings, n: int, seed: int, step: int, mix: bool, depth: float | None = 0.0):
     """``(input_ids, labels)`` for one step.  With ``mix``, half the rows use the target setting and the other
-    half fewer pairs (1, 2, 4, ... queries = pairs, same length): easy rows give a learning signal early."""
+    half fewer pairs (1, 2, 4, ... queries = pairs, same length): easy rows give a learning signal early.
+    ``depth``: where the key-value block sits in the filler (``None``: random per row)."""
     if not mix:
-        b = make_batch(settings, n, seed, step * n)
+        b = make_batch(settings, n, seed, step * n, depth=depth)
         return b.input_ids, b.labels
     counts = [settings.num_pairs]
     while counts[-1] > 1:
@@ -89,7 +90,7 @@ def training_batch(settings: MQARSettings, n: int, seed: int, step: int, mix: bo
          + (i < n // 2 % len(easy))) for i, c in enumerate(easy)]
     ids, labels = [], []
     for k, (s, rows) in enumerate(parts):
-        b = make_batch(s, rows, seed + 7919 * k, step * n)
+        b = make_batch(s, rows, seed + 7919 * k, step * n, depth=depth)
         ids.append(b.input_ids)
         labels.append(b.labels)
     return torch.cat(ids), torch.cat(labels)
@@ -102,6 +103,9 @@ def cmd_train(args):
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(args.seed)
     model = build(args.family, settings, args.hidden, args.layers, args.state)
+    if args.init:  # fine-tune a saved model of the same shape (e.g. the bundled one, for another layout)
+        model.load_state_dict(AutoModelForCausalLM.from_pretrained(args.init, dtype=torch.float32).state_dict())
+    depth = None if args.depth == "random" else float(args.depth)
     if args.family == "mamba":
         install_fast_mamba_scan()
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "A_log" not in n]
@@ -136,7 +140,7 @@ def cmd_train(args):
         for g in opt.param_groups:
             g["lr"] = lr
         ids, labels = training_batch(curriculum(settings, step, args.curriculum), args.batch, args.seed, step,
-                                     args.mix_pairs)
+                                     args.mix_pairs, depth)
         logits = model(input_ids=ids, use_cache=False).logits
         loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels[:, 1:].reshape(-1))
         loss.backward()
@@ -148,6 +152,8 @@ def cmd_train(args):
                "elapsed_s": round(elapsed_prev + time.time() - t0, 1)}
         if step % args.eval_every == 0 or step == args.steps:
             rec["eval_acc"] = round(accuracy(model, settings), 4)
+            if depth != 0.0:  # also the layout it trains on
+                rec["eval_acc_trained_depth"] = round(accuracy(model, settings, depth=depth), 4)
             print(f"[recall] {rec}", flush=True)
         log.write(json.dumps(rec) + "\n")
         log.flush()
@@ -173,8 +179,6 @@ def cmd_export(args):
 
 
 def cmd_eval(args):
-    from transformers import AutoModelForCausalLM
-
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     settings = MQARSettings(**model.config.mqar)
     print(json.dumps({"model": args.model, "dense_recall": accuracy(model, settings, n=args.n)}))
@@ -204,6 +208,9 @@ def main(argv=None):
     p.add_argument("--curriculum", type=int, default=0,
                    help="steps over which the sequence grows from no filler to seq_len (0: none)")
     p.add_argument("--resume", action="store_true")
+    p.add_argument("--depth", default="0", help="where the key-value block sits in the filler: a share in [0, 1], "
+                   "or 'random' (per row)")
+    p.add_argument("--init", default="", help="start from this saved model's weights (same shape)")
     p = sub.add_parser("export")
     p.add_argument("--family", choices=["mamba", "mamba2"], required=True)
     p.add_argument("--out", required=True)
