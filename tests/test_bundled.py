@@ -34,20 +34,25 @@ def test_bundled_model_loads_and_reduces(family, cls):
     assert text.startswith("The history of the city") and len(text) > len(prompt)
 
 
-@pytest.mark.parametrize("name", [m for m in BUNDLED if m.startswith("recall-")])
-def test_bundled_recall_model_recalls(name):
+RECALL_CASES = [(m, 0.0) for m in BUNDLED if m.startswith("recall-")] + [
+    ("recall-mamba2-anydepth", 0.5), ("recall-mamba2-anydepth", 1.0)]  # trained with the pairs at any depth
+
+
+@pytest.mark.parametrize("name,depth", RECALL_CASES)
+def test_bundled_recall_model_recalls(name, depth):
     """A bundled recall model carries its task in config.json, has at least 8 blocks, and answers at least 90 % of
     the queries of fresh evaluation sequences (never trained on), scored by hand from the tokens: each query key's
     prediction must be the value bound to that key in the pairs at the start of its row."""
     model, tok = hf_tokred.load_bundled(name)
     s = MQARSettings(**model.config.mqar)
     assert model.config.num_hidden_layers >= 8 and len(tok) == s.vocab_size
-    ids = make_batch(s, 64, 1_000_000).input_ids
+    ids = make_batch(s, 64, 1_000_000, depth=depth).input_ids
     with torch.no_grad():
         predicted = model(ids).logits.argmax(-1)
     hits = []
+    k = round(depth * s.filler_len)  # the pairs start after this much filler
     for row, guess in zip(ids.tolist(), predicted.tolist()):
-        bound = dict(zip(row[0 : 2 * s.num_pairs : 2], row[1 : 2 * s.num_pairs : 2]))
+        bound = dict(zip(row[k : k + 2 * s.num_pairs : 2], row[k + 1 : k + 2 * s.num_pairs : 2]))
         start = len(row) - 2 * s.num_queries
         hits += [guess[t] == bound[row[t]] for t in range(start, len(row), 2)]
     assert len(hits) == 64 * s.num_queries
