@@ -95,7 +95,7 @@ def assert_rows_match_reference(model, ids, mask, config, state_dict, method=Non
         plans = row_plans(out.plans, mask.bool(), b) if method else ()
         ref = reference_logits(state_dict, config, ids[b, real], plans, *strategies, q=q)
         cols = real if not method else out.kept_positions[b][out.kept_positions[b] >= 0]
-        torch.testing.assert_close(out.logits[b, cols].double(), ref, atol=ATOL, rtol=0)
+        torch.testing.assert_close(out.logits[b, cols].double(), ref, atol=ATOL, rtol=1e-5)  # fp32 summation order of merges on logits of size ~10
     return out
 
 
