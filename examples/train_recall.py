@@ -96,6 +96,19 @@ def training_batch(settings: MQARSettings, n: int, seed: int, step: int, mix: bo
     return torch.cat(ids), torch.cat(labels)
 
 
+def depth_arg(text: str) -> float | None:
+    """``--depth``: a share of the filler in [0, 1], or ``random``."""
+    if text == "random":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a share in [0, 1] or 'random', got {text!r}")
+    return value
+
+
 def cmd_train(args):
     torch.set_num_threads(args.threads)
     settings = MQARSettings(**json.loads(args.settings)) if args.settings else MQARSettings()
@@ -105,7 +118,7 @@ def cmd_train(args):
     model = build(args.family, settings, args.hidden, args.layers, args.state)
     if args.init:  # fine-tune a saved model of the same shape (e.g. the bundled one, for another layout)
         model.load_state_dict(AutoModelForCausalLM.from_pretrained(args.init, dtype=torch.float32).state_dict())
-    depth = None if args.depth == "random" else float(args.depth)
+    depth = args.depth
     if args.family == "mamba":
         install_fast_mamba_scan()
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "A_log" not in n]
@@ -208,7 +221,7 @@ def main(argv=None):
     p.add_argument("--curriculum", type=int, default=0,
                    help="steps over which the sequence grows from no filler to seq_len (0: none)")
     p.add_argument("--resume", action="store_true")
-    p.add_argument("--depth", default="0", help="where the key-value block sits in the filler: a share in [0, 1], "
+    p.add_argument("--depth", type=depth_arg, default=0.0, help="where the key-value block sits in the filler: a share in [0, 1], "
                    "or 'random' (per row)")
     p.add_argument("--init", default="", help="start from this saved model's weights (same shape)")
     p = sub.add_parser("export")

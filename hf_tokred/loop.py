@@ -182,10 +182,6 @@ def _anchor_block(block, family, hidden, cache, layer_mask, tokens, cfg, removal
     residual, h, plan = _plan_at(block, family, hidden, cache, layer_mask, tokens, cfg, removal, mixer_kwargs, timer)
     if plan is None:
         out = residual + h
-    elif h.device.type != "cuda" and cfg.residual == cfg.hidden == "prune":
-        out = residual + h  # the block's own residual add, as in the dense model; the plan keeps rows of it
-        with timer("apply"):
-            out = apply_plan_pair(out, None, plan, "prune")
     else:
         with timer("apply"):
             out = _apply_both(residual, h, plan, cfg)
