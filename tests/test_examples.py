@@ -27,6 +27,8 @@ RUNS = {
     "quality_table": ["--out", "quality", "--models", "mamba", "--passages", "3", "--levels", "0.3"],
     "train_recall": ["train", "--family", "mamba2", "--out", "recall", "--steps", "3", "--hidden", "16", "--batch", "4",
                      "--eval-every", "3", "--warmup", "1"],
+    "train_passkey": ["train", "--family", "mamba2", "--out", "passkey", "--steps", "2", "--hidden", "16", "--batch",
+                      "4", "--eval-every", "2", "--warmup", "1", "--seq-len", "64", "--layers", "2"],
 }
 
 
@@ -106,6 +108,11 @@ def test_quality_table(runs):
 def test_train_recall(runs):
     out = _output(runs, "train_recall")
     assert "'step': 3" in out and "eval_acc" in out
+
+
+def test_train_passkey(runs):
+    out = _output(runs, "train_passkey")
+    assert "'step': 2" in out and "eval_noise" in out and "eval_natural_heldout" in out
 
 
 def test_quality_table_report_from_hand_made_rows(tmp_path):

@@ -17,6 +17,7 @@ from ..evaluation.runner import ALL_TASKS, data_parallel_accelerator, evaluate_m
 from ..evaluation.tasks import LOCAL_TASKS
 from .common import UsageError, add_model_argument, add_reduction_arguments, load_for_command, positive_int_text, \
     reduction_from_args
+from .longctx import LONG_TASKS, is_long_run, run_long
 
 __all__ = ["add_parser"]
 
@@ -25,16 +26,18 @@ _DEFAULT_TASKS = "lambada_openai,hellaswag,piqa,arc_easy,arc_challenge,winogrand
 
 def _parse_tasks(text: str) -> list[str]:
     tasks = list(dict.fromkeys(t.strip() for t in text.split(",") if t.strip()))
-    unknown = [t for t in tasks if t not in ALL_TASKS]
+    unknown = [t for t in tasks if t not in ALL_TASKS and t not in LONG_TASKS]
     if unknown or not tasks:
         what = f"unknown task(s) {', '.join(unknown)}" if unknown else "no task given"
-        raise UsageError(f"--tasks: {what}; available: {', '.join(ALL_TASKS)} "
+        raise UsageError(f"--tasks: {what}; available: {', '.join(dict.fromkeys(ALL_TASKS + LONG_TASKS))} "
                          f"(comma-separated, e.g. --tasks arc_easy,piqa)")
     return tasks
 
 
 def _eval(args: argparse.Namespace) -> int:
     tasks = _parse_tasks(args.tasks)
+    if is_long_run(args, tasks):
+        return run_long(args, tasks)
     limit = positive_int_text("--limit", args.limit, "100")
     batch_size = positive_int_text("--batch-size", args.batch_size, "8")
     max_length = positive_int_text("--max-length", args.max_length, "2048")
@@ -111,7 +114,8 @@ def add_parser(sub) -> None:
                    help=f"comma-separated tasks (default: {_DEFAULT_TASKS}); also available: "
                         "boolq_heldout_suffix (held-out perplexity that reduction affects), boolq_heldout_ppl "
                         "(whole-passage rolling perplexity), mqar (multi-query associative recall at the query "
-                        "positions; a recall model such as bundled:recall-mamba2; --limit = sequences, default 256)")
+                        "positions; a recall model such as bundled:recall-mamba2; --limit = sequences, default 256), passkey (a "
+                        "needle in a haystack, with the long-context flags below)")
     p.add_argument("--limit", default=None, help="documents per task (and held-out passages), e.g. 100 (default: all)")
     p.add_argument("--batch-size", default="8", help="requests per forward (default: 8)")
     p.add_argument("--max-length", default="2048", help="longest input in tokens; longer inputs are left-truncated")
@@ -126,5 +130,16 @@ def add_parser(sub) -> None:
                    help="skip the held-out top-1 agreement / KL columns (they run the dense model too)")
     p.add_argument("--bootstrap-iters", type=int, default=100, help="lm-eval stderr bootstrap draws (0: no stderr)")
     p.add_argument("--json", action="store_true", help="print the row as one JSON object instead of a table")
+    g = p.add_argument_group(
+        "long context", "with any of these (or --tasks passkey): recall by prompt length and depth for --tasks "
+                        "mqar,passkey, dense beside each method on the same rows, 95 % intervals; writes "
+                        "longctx.json/.md/.png to --output; --limit = rows per cell (default 64)")
+    g.add_argument("--lengths", default=None, help="prompt lengths in tokens (default: 128,512,1024)")
+    g.add_argument("--depths", default=None,
+                   help="where the key-value block / needle sits: shares of the filler before it (default: 0,0.5,1)")
+    g.add_argument("--methods", default=None,
+                   help="run each of these methods at the level the flags give, e.g. prefilter,front_prune")
+    g.add_argument("--haystack", default="noise",
+                   help="passkey haystack: noise (repeated sentences) or natural (held-out passages; hf-tokred data)")
     add_reduction_arguments(p)
     p.set_defaults(func=_eval)
