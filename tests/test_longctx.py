@@ -2,9 +2,11 @@
 per-row recomputation, and ``hf-tokred eval --lengths`` (table, files, one-line errors)."""
 
 import json
+import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_tokred import TokenReductionConfig, apply_token_reduction
@@ -108,16 +110,51 @@ def test_grid_equals_a_row_by_row_recomputation():
         for r in range(6):  # one row at a time
             out = model(b.input_ids[r:r + 1], question_length=2 * s.num_queries, use_cache=False)
             per_row.append((out.logits[0, b.query_positions].argmax(-1) == b.answers[r]).float().mean().item())
-        assert rec["accuracy"] == pytest.approx(sum(per_row) / 6, abs=1e-9)
-        assert rec["n"] == 6 and rec["ci"][0] <= rec["accuracy"] <= rec["ci"][1]
+        assert rec["score"] == pytest.approx(sum(per_row) / 6, abs=1e-9)
+        assert rec["n"] == 6 and rec["ci"][0] <= rec["score"] <= rec["ci"][1]
     for depth in (0.0, 0.5, "all"):  # at or below the budget: unchanged, nothing saved
-        assert by[("budget", 128, depth)]["accuracy"] == by[("dense", 128, depth)]["accuracy"]
+        assert by[("budget", 128, depth)]["score"] == by[("dense", 128, depth)]["score"]
         assert by[("budget", 128, depth)]["flops_saved"] == 0.0
     assert by[("dense", 320, "all")]["flops_saved"] == 0.0 and by[("budget", 320, "all")]["flops_saved"] > 0.4
-    pooled = by[("dense", 320, "all")]["accuracy"]
-    assert pooled == pytest.approx((by[("dense", 320, 0.0)]["accuracy"] + by[("dense", 320, 0.5)]["accuracy"]) / 2)
+    pooled = by[("dense", 320, "all")]["score"]
+    assert pooled == pytest.approx((by[("dense", 320, 0.0)]["score"] + by[("dense", 320, 0.5)]["score"]) / 2)
     table = longctx.format_table(records)
     assert "| mqar | budget | 0.5 |" in table and "| mqar | budget | FLOPs saved | 0.0 % |" in table
+
+
+def test_document_rows_by_hand():
+    rows = longctx.document_rows(list(range(100)), 10, 4)
+    assert rows[:, 0].tolist() == [0, 30, 60, 90] and rows[3].tolist() == list(range(90, 100))
+    assert longctx.document_rows(list(range(10)), 10, 3).tolist() == [list(range(10))] * 3
+    with pytest.raises(ValueError, match="fewer than --lengths 11"):
+        longctx.document_rows(list(range(10)), 11, 2)
+
+
+@torch.no_grad()
+def test_position_perplexity_equals_a_row_by_row_recomputation(tok):
+    model = AutoModelForCausalLM.from_pretrained(str(bundled_path("mamba")), dtype=torch.float32).eval()
+    texts = [f"Passage {i}: the river runs past the mill and the old stone bridge, then east to the sea." * 3
+             for i in range(12)]
+    cfg = TokenReductionConfig(keep_tokens=64)
+    records = longctx.grid(model, tok, ["position_ppl"], [64, 200], [0.0, 1.0], {"dense": None, "budget": cfg},
+                           n=3, batch_size=2, texts=texts)
+    assert [(r["method"], r["length"], r["depth"], r["metric"]) for r in records] == [
+        ("dense", 64, "all", "perplexity"), ("budget", 64, "all", "perplexity"),
+        ("dense", 200, "all", "perplexity"), ("budget", 200, "all", "perplexity")]
+    stream = tok("\n\n".join(texts))["input_ids"]
+    for rec in records:
+        apply_token_reduction(model, cfg if rec["method"] == "budget" else None)
+        rows = longctx.document_rows(stream, rec["length"], 3)
+        nll = []
+        for r in range(3):
+            out = model(rows[r:r + 1], question_length=33, use_cache=False)
+            nll.append(F.cross_entropy(out.logits[0, -33:-1], rows[r, -32:]).item())
+        assert rec["score"] == pytest.approx(math.exp(sum(nll) / 3), rel=1e-5)
+        assert rec["ci"][0] <= rec["score"] <= rec["ci"][1] and rec["n"] == 3
+    by = {(r["method"], r["length"]): r for r in records}
+    assert by[("budget", 64)]["score"] == by[("dense", 64)]["score"]  # at the budget: not reduced
+    assert by[("budget", 200)]["flops_saved"] > 0.3 and by[("dense", 200)]["flops_saved"] == 0.0
+    assert "| position_ppl | budget | all |" in longctx.format_table(records)
 
 
 def test_cli_long_context_run_writes_table_json_and_plot(tmp_path, capsys):
@@ -140,6 +177,7 @@ def test_cli_long_context_run_writes_table_json_and_plot(tmp_path, capsys):
     (["--tasks", "mqar", "--depths", "0,2"], "--depths must be comma-separated numbers in [0, 1]"),
     (["--tasks", "mqar,piqa", "--lengths", "128"], "piqa is an lm-eval task"),
     (["--tasks", "passkey"], "--tasks passkey needs a language model"),
+    (["--tasks", "position_ppl"], "--tasks position_ppl needs a language model"),
     (["--tasks", "mqar", "--methods", "prefilter"], "--methods needs a reduction level"),
     (["--tasks", "mqar", "--methods", "nope", "--keep-tokens", "128"], "--methods nope"),
     (["--tasks", "mqar", "--methods", "evit", "--method", "evit", "--keep-tokens", "128"], "not both"),

@@ -115,7 +115,8 @@ def add_parser(sub) -> None:
                         "boolq_heldout_suffix (held-out perplexity that reduction affects), boolq_heldout_ppl "
                         "(whole-passage rolling perplexity), mqar (multi-query associative recall at the query "
                         "positions; a recall model such as bundled:recall-mamba2; --limit = sequences, default 256), passkey (a "
-                        "needle in a haystack, with the long-context flags below)")
+                        "needle in a haystack) and position_ppl (perplexity of the last 32 tokens of held-out text of "
+                        "each --lengths), with the long-context flags below")
     p.add_argument("--limit", default=None, help="documents per task (and held-out passages), e.g. 100 (default: all)")
     p.add_argument("--batch-size", default="8", help="requests per forward (default: 8)")
     p.add_argument("--max-length", default="2048", help="longest input in tokens; longer inputs are left-truncated")
@@ -131,8 +132,9 @@ def add_parser(sub) -> None:
     p.add_argument("--bootstrap-iters", type=int, default=100, help="lm-eval stderr bootstrap draws (0: no stderr)")
     p.add_argument("--json", action="store_true", help="print the row as one JSON object instead of a table")
     g = p.add_argument_group(
-        "long context", "with any of these (or --tasks passkey): recall by prompt length and depth for --tasks "
-                        "mqar,passkey, dense beside each method on the same rows, 95 % intervals; writes "
+        "long context", "with any of these (or --tasks passkey / position_ppl): recall by prompt length and "
+                        "depth for --tasks mqar,passkey (perplexity by length for position_ppl), dense beside each "
+                        "method on the same rows, 95 % intervals; writes "
                         "longctx.json/.md/.png to --output; --limit = rows per cell (default 64)")
     g.add_argument("--lengths", default=None, help="prompt lengths in tokens (default: 128,512,1024)")
     g.add_argument("--depths", default=None,

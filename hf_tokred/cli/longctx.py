@@ -10,7 +10,7 @@ import sys
 import torch
 
 from ..evaluation import data
-from ..evaluation.longctx import EVAL_SEED, LONG_TASKS, format_table, grid, save
+from ..evaluation.longctx import EVAL_SEED, LONG_TASKS, format_table, grid, pct, save
 from ..evaluation.passkey import HAYSTACKS, PasskeySettings
 from ..evaluation.runner import mqar_settings
 from ..settings import get_token_reduction
@@ -20,8 +20,9 @@ __all__ = ["LONG_TASKS", "is_long_run", "run_long"]
 
 
 def is_long_run(args: argparse.Namespace, tasks: list[str]) -> bool:
-    """``--lengths`` / ``--depths`` / ``--methods`` given, or the passkey task: the long-context grid."""
-    return any(getattr(args, f) is not None for f in ("lengths", "depths", "methods")) or "passkey" in tasks
+    """``--lengths`` / ``--depths`` / ``--methods`` given, or a task only the long-context grid runs."""
+    return any(getattr(args, f) is not None for f in ("lengths", "depths", "methods")) or \
+        any(t in tasks for t in LONG_TASKS if t != "mqar")
 
 
 def _numbers(flag: str, text: str, kind, example: str, low: float, high: float | None = None) -> list:
@@ -75,9 +76,10 @@ def _check_model(tasks, model, tokenizer) -> dict:
             settings["mqar"] = mqar_settings(model)
         except ValueError as err:
             raise UsageError(f"--tasks mqar: {err} (e.g. --model bundled:recall-mamba2)") from None
-    if "passkey" in tasks and (tokenizer is None or getattr(model.config, "mqar", None) is not None):
-        raise UsageError("--tasks passkey needs a language model with a text tokenizer (e.g. --model "
-                         "bundled:passkey-mamba2); a recall model's tokenizer has no words")
+    for task in ("passkey", "position_ppl"):
+        if task in tasks and (tokenizer is None or getattr(model.config, "mqar", None) is not None):
+            raise UsageError(f"--tasks {task} needs a language model with a text tokenizer (e.g. --model "
+                             "bundled:passkey-mamba2); a recall model's tokenizer has no words")
     return settings
 
 
@@ -94,11 +96,11 @@ def run_long(args: argparse.Namespace, tasks: list[str]) -> int:
     if args.haystack not in HAYSTACKS:
         raise UsageError(f"--haystack must be one of {', '.join(HAYSTACKS)}, got {args.haystack!r}")
     texts = None
-    if "passkey" in tasks and args.haystack == "natural":
+    if "position_ppl" in tasks or ("passkey" in tasks and args.haystack == "natural"):
         try:
             texts = data.heldout_passages(args.data_dir)
         except data.DataMissingError as err:
-            raise UsageError(f"{err} (--haystack natural reads the held-out passages; or use --haystack noise)") \
+            raise UsageError(f"{err} (--tasks position_ppl and --haystack natural read the held-out passages)") \
                 from None
     model, tokenizer = load_for_command(args.model, None)
     methods = _methods(args, model)
@@ -129,5 +131,5 @@ def run_long(args: argparse.Namespace, tasks: list[str]) -> int:
 
 
 def _progress(rec: dict) -> None:
-    print(f"  {rec['task']} {rec['method']} length {rec['length']} depth {rec['depth']}: "
-          f"{100 * rec['accuracy']:.1f} %", file=sys.stderr, flush=True)
+    print(f"  {rec['task']} {rec['method']} length {rec['length']} depth {rec['depth']}: {pct(rec)}",
+          file=sys.stderr, flush=True)
