@@ -1,6 +1,7 @@
 """The scripts in ``examples/`` run offline with tiny settings: exit code 0 and their key output lines.
 
-All of them start together (each spends most of its time importing torch / transformers), offline.
+All of them start together (each spends most of its time importing torch / transformers), offline.  The commands
+the README and ``docs/`` show (these scripts' included) are checked by ``tests/test_docs.py``.
 """
 
 import importlib.util
