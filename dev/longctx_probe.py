@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Quick probes of long-context selection variants on the bundled recall model (dev tool, not the README table).
+"""Quick probes of long-context selection variants on the bundled recall model (dev tool; docs/long-prompts.md cites its output).
 
 MQAR sequences of the model's own setting, stretched to ``--lengths`` with more filler, the key-value block at
 each of ``--depths`` (share of the filler before it); the queries are the question (``question_length``), so

@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """How much a bounded matching window (``match_window``) changes the similarity methods' plans and quality,
-against the exact global matching (``match_window=0``), at long prompts (dev tool; README/docs cite its output).
+against the exact global matching (``match_window=0``), at long prompts (dev tool; docs/long-prompts.md cites its output).
 
 Held-out documents of the project's corpus, concatenated to ``--length`` tokens + a 32-token suffix; the suffix is
 scored (protected, as in the quality table) so every variant is compared at the same positions.  Per window:

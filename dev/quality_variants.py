@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Quick probes of method variants on the quality table's measures (how the variants README "Quality" lists as tried
+"""Quick probes of method variants on the quality table's measures (how the variants docs/quality.md lists as tried
 and dropped were measured).  Not part of the package: the window variants are registered here, on the selector
 table, for this process only.
 

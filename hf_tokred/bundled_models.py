@@ -14,7 +14,7 @@ __all__ = ["BUNDLED", "BUNDLED_PREFIX", "bundled_name", "bundled_path"]
 BUNDLED_PREFIX = "bundled:"
 
 #: bundled models: the two small language models and the multi-query associative recall model (a Mamba-1 one,
-#: ``recall-mamba``, joins it once its training passes 90 % recall; README "Quality"), and the same recall model
+#: ``recall-mamba``, joins it once its training passes 90 % recall; docs/quality.md), and the same recall model
 #: fine-tuned with the key-value block at any depth of the filler (docs/long-prompts.md)
 BUNDLED = ("mamba", "mamba2", "recall-mamba2", "recall-mamba2-anydepth")
 

@@ -107,13 +107,13 @@ METHODS: dict[str, MethodSpec] = {
     ),
 }
 
-#: The method ``TokenReductionConfig()`` uses when none is named (README "Methods" says why).
+#: The method ``TokenReductionConfig()`` uses when none is named (docs/methods.md says why).
 DEFAULT_METHOD = "front_prune"
-#: The method a token budget (``keep_tokens``) uses when none is named (README "Long prompts" says why).
+#: The method a token budget (``keep_tokens``) uses when none is named (docs/long-prompts.md says why).
 LONG_CONTEXT_METHOD = "prefilter"
 DEFAULT_Q = 0.5
 #: The similarity selections match each candidate among this many destinations near it at most (0: all of them,
-#: the exact global matching); README "Long prompts" has the cost and what it changes.
+#: the exact global matching); docs/long-prompts.md has the cost and what it changes.
 DEFAULT_MATCH_WINDOW = 1024
 #: selections whose matching ``match_window`` bounds
 WINDOWED_SELECTIONS = ("importance_similarity", "bipartite")

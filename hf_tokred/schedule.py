@@ -54,8 +54,8 @@ def default_anchors(num_hidden_layers: int) -> tuple[int, ...]:
 
 def budget_anchors(ssm_layers: Sequence[int]) -> tuple[int, ...]:
     """The anchors a token budget uses unless told: the first SSM layer alone.  Reducing early and hard is what
-    gives back the recall a Mamba loses past its training length, and what saves most of a long prefill (README
-    "Long prompts" has the measurements behind this rule)."""
+    gives back the recall a Mamba loses past its training length, and what saves most of a long prefill (docs/long-prompts.md
+    has the measurements behind this rule)."""
     return (min(ssm_layers),) if ssm_layers else ()
 
 
