@@ -43,7 +43,7 @@ def importance(h: torch.Tensor, metric: str = "clip", scores: torch.Tensor | Non
         return scores.float()
     h = h.float()
     if metric == "clip":
-        return h.clamp_min(0).mean(-1)
+        return _clip_mean(h)
     if metric == "l1":
         return h.abs().mean(-1)
     if metric == "l2":
@@ -51,6 +51,18 @@ def importance(h: torch.Tensor, metric: str = "clip", scores: torch.Tensor | Non
     if metric == "noclip":
         return h.mean(-1)
     raise ValueError(f"unknown importance metric {metric!r}; allowed: clip, l1, l2, noclip, delta")
+
+
+#: Tokens whose clipped mean is computed at a time (the clipped block stays in cache instead of a copy of ``h``)
+_IMPORTANCE_BLOCK = 1024
+
+
+def _clip_mean(h: torch.Tensor) -> torch.Tensor:
+    """``h.clamp_min(0).mean(-1)``, a block of tokens at a time."""
+    out = h.new_empty(h.shape[:-1])
+    for i in range(0, h.shape[-2], _IMPORTANCE_BLOCK):
+        out[..., i:i + _IMPORTANCE_BLOCK] = h[..., i:i + _IMPORTANCE_BLOCK, :].clamp_min(0).mean(-1)
+    return out
 
 
 def _features(h: torch.Tensor, metric: str) -> torch.Tensor:
@@ -71,6 +83,7 @@ def _best_cosine(xa: torch.Tensor, xb: torch.Tensor, allowed: torch.Tensor | Non
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """For each row of ``xa [g, m, D]``: its best cosine similarity with the rows of ``xb [g, k, D]``, rounded to
     the tie grid (in grid units: only the ordering is used), and the first row of ``xb`` that attains it.
+    ``xa`` is normalised in place (callers pass their own copies).
 
     With ``allowed [g, k]`` only those rows of ``xb`` are searched (the others score ``-inf``; a source with no
     allowed row gets ``-inf``, no link); that search takes the plain torch pass.
@@ -78,8 +91,8 @@ def _best_cosine(xa: torch.Tensor, xb: torch.Tensor, allowed: torch.Tensor | Non
     The ``[g, m, k]`` matrix is never held whole: blocks of rows (of unit-norm ``xa`` rows) are multiplied,
     scaled by the inverse norms of ``xb``, rounded and reduced while in cache.
     """
-    xa = xa * xa.norm(dim=-1, keepdim=True).clamp_min(1e-12).reciprocal()  # unit rows (the smaller operand)
-    inv_b = xb.norm(dim=-1).clamp_min(1e-12).reciprocal().div_(_SIM_GRID)
+    xa.mul_(xa.norm(dim=-1, keepdim=True).clamp_min_(1e-12).reciprocal_())  # unit rows (the smaller operand)
+    inv_b = xb.norm(dim=-1).clamp_min_(1e-12).reciprocal_().div_(_SIM_GRID)
     xbt = xb.transpose(1, 2)
     g, m = xa.shape[:2]
     best = torch.empty(g, m, dtype=xa.dtype, device=xa.device)
@@ -114,29 +127,42 @@ def _chunks(k: int, window: int) -> tuple[int, int]:
     return math.ceil(k / per), per
 
 
-def best_cosine_chunked(xa: torch.Tensor, xb: torch.Tensor, pa: torch.Tensor, pb: torch.Tensor, window: int,
-                        allowed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`_best_cosine` of ``xa [g, m, D]`` against ``xb [g, k, D]``, each row searching only the rows of its
-    chunk: both sets are put in position order (``pa [g, m]``, ``pb [g, k]``) and cut into the same number of
-    consecutive chunks of at most ``window`` rows of ``xb``.  ``window <= 0`` or ``k <= window``: the global
-    search.  Returns the best grid score and the matched row of ``xb`` for each row of ``xa``, in its own order."""
-    g, m = xa.shape[:2]
-    k = xb.shape[1]
+def _two_sets(h: torch.Tensor, ia: torch.Tensor, ib: torch.Tensor, clip: bool):
+    """The rows ``ia [g, m]`` and ``ib [g, k]`` of ``h [g, n, D]`` as fp32 copies, gathered in one pass (clipped at
+    0 when ``clip``)."""
+    both = take_rows(h, torch.cat([ia, ib], 1)).float()
+    if clip:
+        both.clamp_min_(0)
+    m = ia.shape[1]
+    return both[:, :m], both[:, m:]
+
+
+def best_cosine_chunked(h: torch.Tensor, ia: torch.Tensor, ib: torch.Tensor, window: int,
+                        allowed: torch.Tensor | None = None, clip: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each token ``ia[g, i]`` of ``h [g, n, D]``: its best cosine similarity (grid-rounded, as
+    :func:`_best_cosine`) with the tokens ``ib [g, k]`` of its chunk, and the matched column of ``ib``.  Both sets
+    are put in position order (a token's index in ``h`` is its position) and cut into the same number of
+    consecutive chunks of at most ``window`` destinations; ``window <= 0`` or ``k <= window``: the global search,
+    with ties going to the first destination in ``ib``'s order.  ``clip``: the features are ``max(h, 0)``
+    (the ``clip`` metric).  ``allowed [g, k]``: the destinations that may be matched."""
+    g, m = ia.shape
+    k = ib.shape[1]
     if window <= 0 or k <= window:
-        return _best_cosine(xa, xb, allowed)
+        return _best_cosine(*_two_sets(h, ia, ib, clip), allowed)
     n_chunks, per_b = _chunks(k, window)
     per_a = math.ceil(m / n_chunks)
     # position order, padded to whole chunks with copies of the last row (a copy of a destination comes after
     # its original, so it never wins a tie; padded candidates are dropped below)
-    sa = _pad_last(torch.sort(pa, dim=1, stable=True).indices, n_chunks * per_a)
-    sb = _pad_last(torch.sort(pb, dim=1, stable=True).indices, n_chunks * per_b)
-    chunk_a = take_rows(xa, sa).view(g * n_chunks, per_a, xa.shape[-1])
-    chunk_b = take_rows(xb, sb).view(g * n_chunks, per_b, xb.shape[-1])
+    sa = _pad_last(torch.sort(ia, dim=1, stable=True).indices, n_chunks * per_a)
+    sb = _pad_last(torch.sort(ib, dim=1, stable=True).indices, n_chunks * per_b)
+    xa, xb = _two_sets(h, ia.gather(1, sa), ib.gather(1, sb), clip)
+    chunk_a = xa.reshape(g * n_chunks, per_a, h.shape[-1])
+    chunk_b = xb.reshape(g * n_chunks, per_b, h.shape[-1])
     chunk_allowed = None if allowed is None else allowed.gather(1, sb).view(g * n_chunks, per_b)
     best_c, match_c = _best_cosine(chunk_a, chunk_b, chunk_allowed)
-    offset = (torch.arange(n_chunks, device=xa.device) * per_b).repeat(g)[:, None]
+    offset = (torch.arange(n_chunks, device=h.device) * per_b).repeat(g)[:, None]
     match_c = sb.gather(1, (match_c + offset).view(g, -1))  # the matched row of xb
-    best, match = torch.empty(g, m, dtype=best_c.dtype, device=xa.device), torch.empty_like(pa)
+    best, match = torch.empty(g, m, dtype=best_c.dtype, device=h.device), torch.empty_like(ia)
     best.scatter_(1, sa[:, :m], best_c.view(g, -1)[:, :m])
     match.scatter_(1, sa[:, :m], match_c[:, :m])
     return best, match
@@ -197,13 +223,10 @@ def _select_importance_similarity(h, s, protected, r, metric, receive=True, froz
     n = h.shape[1]
     order = torch.sort(s.masked_fill(protected, math.inf), dim=1, stable=True).indices
     n_a = n - n // 2
-    ranked = take_rows(h.float(), order)  # tokens by importance; the less important half first
-    if metric == "clip":
-        ranked.clamp_min_(0)  # the features, made in place on the copy
-    a, b = order[:, :n_a], order[:, n_a:]
+    a, b = order[:, :n_a], order[:, n_a:]  # tokens by importance: the less important half, then the rest
     barred = _no_destination(protected, receive, frozen)
-    best, match = best_cosine_chunked(ranked[:, :n_a], ranked[:, n_a:], a, b, match_window,
-                                      None if barred is None else ~barred.gather(1, b))
+    best, match = best_cosine_chunked(h, a, b, match_window, None if barred is None else ~barred.gather(1, b),
+                                      clip=metric == "clip")
     best = best.masked_fill(protected.gather(1, a), -math.inf)
     sel, ok = _top_links(best, r)
     src = a.gather(1, sel)
@@ -241,11 +264,10 @@ def _select_reference(h, s, protected, r, metric, receive=True, frozen=None, mat
 
 def _select_bipartite(h, s, protected, r, metric, receive=True, frozen=None, match_window=0) -> Selection:
     """ToMe / PuMer: even tokens matched to odd tokens by cosine; the most similar pairs merge."""
-    feat = _features(h, metric)
     barred = _no_destination(protected, receive, frozen)
     pos = torch.arange(h.shape[1], device=h.device).expand(h.shape[0], -1)
-    best, match = best_cosine_chunked(feat[:, 0::2], feat[:, 1::2], pos[:, 0::2], pos[:, 1::2], match_window,
-                                      None if barred is None else ~barred[:, 1::2])
+    best, match = best_cosine_chunked(h, pos[:, 0::2], pos[:, 1::2], match_window,
+                                      None if barred is None else ~barred[:, 1::2], clip=metric == "clip")
     best = best.masked_fill(protected[:, 0::2], -math.inf)
     sel, ok = _top_links(best, r)
     return _odd_destinations(sel, match, ok, s, None)

@@ -4,7 +4,9 @@ import math
 
 import pytest
 
+import hf_tokred
 from hf_tokred import TokenReductionConfig, default_anchors
+from hf_tokred.config import DEFAULT_MATCH_WINDOW
 from hf_tokred.config import schedule_proxy_reduction as proxy_flops_reduction
 
 # method.md b.4: per-anchor keep ratios for 10/20/30 % FLOPs reduction.
@@ -135,3 +137,13 @@ def test_explicit_anchors_must_sit_on_the_ssm_layers_of_a_hybrid():
         TokenReductionConfig(keep_ratio=0.9, anchors=[1, 2]).resolve(8, ssm_layers=ssm)
     assert TokenReductionConfig(keep_ratio=0.9, anchors=[1, 3]).resolve(8, ssm_layers=ssm).anchors == (1, 3)
     assert TokenReductionConfig(keep_ratio=0.9, anchors=[1, 2]).resolve(8).anchors == (1, 2)
+
+
+def test_settings_written_by_0_3_0_load_with_its_stored_window():
+    """hf_tokred 0.3.0 stored its default match_window (1024) with every method; on a method that matches
+    nothing it is dropped (not refused), while a matching method keeps the window it was saved with."""
+    old = {"method": "front_prune", "flops_reduction": 0.2, "match_window": 1024, "version": "0.3.0"}
+    assert TokenReductionConfig.from_dict(old).match_window == DEFAULT_MATCH_WINDOW
+    assert TokenReductionConfig.from_dict({**old, "method": "utrc"}).match_window == 1024
+    with pytest.raises(ValueError, match="would have no effect"):  # written now: an explicit window is refused
+        TokenReductionConfig.from_dict({**old, "version": hf_tokred.__version__})

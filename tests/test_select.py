@@ -41,6 +41,14 @@ def brute_chunked(xa, xb, pa, pb, window):
     return best, match
 
 
+def _by_position(xa, xb, pa, pb):
+    """One sequence holding the row ``xa[r, i]`` at position ``pa[r, i]`` and ``xb[r, j]`` at ``pb[r, j]``."""
+    h = torch.zeros(xa.shape[0], xa.shape[1] + xb.shape[1], xa.shape[2])
+    for r in range(xa.shape[0]):
+        h[r, pa[r]], h[r, pb[r]] = xa[r], xb[r]
+    return h
+
+
 @pytest.mark.parametrize("m,k,window", [(9, 8, 3), (16, 16, 4), (7, 13, 5), (12, 5, 2), (10, 10, 10), (10, 10, 64)])
 def test_chunked_matching_equals_brute_force(m, k, window):
     torch.manual_seed(m * 100 + k)
@@ -48,7 +56,7 @@ def test_chunked_matching_equals_brute_force(m, k, window):
     perm = torch.randperm(m + k)
     pa, pb = perm[:m].expand(2, -1).clone(), perm[m:].expand(2, -1).clone()
     pb[1] = pb[1].flip(0)
-    best, match = best_cosine_chunked(xa, xb, pa, pb, window)
+    best, match = best_cosine_chunked(_by_position(xa, xb, pa, pb), pa, pb, window)
     ref_best, ref_match = brute_chunked(xa, xb, pa, pb, window)
     assert torch.equal(best, ref_best) and torch.equal(match, ref_match)
 
@@ -59,7 +67,7 @@ def test_chunked_matching_respects_allowed_destinations():
     pa, pb = torch.arange(0, 16, 2)[None], torch.arange(1, 16, 2)[None]
     allowed = torch.ones(1, 8, dtype=torch.bool)
     allowed[0, :2] = False  # the whole first chunk of destinations (window 2): its candidates have no link
-    best, match = best_cosine_chunked(xa, xb, pa, pb, 2, allowed)
+    best, match = best_cosine_chunked(_by_position(xa, xb, pa, pb), pa, pb, 2, allowed)
     assert torch.isinf(best[0, :2]).all() and bool(allowed[0, match[0, 2:]].all())
 
 
