@@ -80,6 +80,10 @@ def test_passkey_hits_is_greedy_copying(tok):
     wrong[1, last_answer_pos] = 0
     wrong[1, last_answer_pos, 7] = 1.0
     assert passkey_hits(wrong, b).tolist() == [True, False, True]
+    keep = int(b.question_length.max()) + 1  # the last positions alone (logits_to_keep) decide the same
+    assert passkey_hits(wrong[:, -keep:], b).tolist() == [True, False, True]
+    with pytest.raises(ValueError, match="do not reach every answer token"):
+        passkey_hits(wrong[:, -3:], b)
     # a position outside the answer may be anything
     other = logits.clone()
     other[0, 5] = 0

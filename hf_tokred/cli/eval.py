@@ -141,6 +141,8 @@ def add_parser(sub) -> None:
                    help="where the key-value block / needle sits: shares of the filler before it (default: 0,0.5,1)")
     g.add_argument("--methods", default=None,
                    help="run each of these methods at the level the flags give, e.g. prefilter,front_prune")
+    g.add_argument("--seed", type=int, default=None,
+                   help="the rows' seed (default: the evaluation seed 1000000, which no training run draws)")
     g.add_argument("--haystack", default="noise",
                    help="passkey haystack: noise (repeated sentences) or natural (held-out passages; hf-tokred data)")
     add_reduction_arguments(p)

@@ -20,8 +20,8 @@ __all__ = ["LONG_TASKS", "is_long_run", "run_long"]
 
 
 def is_long_run(args: argparse.Namespace, tasks: list[str]) -> bool:
-    """``--lengths`` / ``--depths`` / ``--methods`` given, or a task only the long-context grid runs."""
-    return any(getattr(args, f) is not None for f in ("lengths", "depths", "methods")) or \
+    """``--lengths`` / ``--depths`` / ``--methods`` / ``--seed`` given, or a task only the long-context grid runs."""
+    return any(getattr(args, f) is not None for f in ("lengths", "depths", "methods", "seed")) or \
         any(t in tasks for t in LONG_TASKS if t != "mqar")
 
 
@@ -111,14 +111,15 @@ def run_long(args: argparse.Namespace, tasks: list[str]) -> int:
         raise UsageError(f"--device {args.device}: {err}") from None
     settings = _check_model(tasks, model, tokenizer)
     passkey = PasskeySettings(haystack=args.haystack)
+    seed = EVAL_SEED if args.seed is None else args.seed
     try:
-        records = grid(model, tokenizer, tasks, lengths, depths, methods, n=rows, seed=EVAL_SEED,
+        records = grid(model, tokenizer, tasks, lengths, depths, methods, n=rows, seed=seed,
                        batch_size=batch_size, mqar_settings=settings.get("mqar"), passkey=passkey, texts=texts,
                        progress=None if args.json else _progress)
     except ValueError as err:
         raise UsageError(f"{err}") from None
     meta = {"model": args.model, "tasks": tasks, "lengths": lengths, "depths": depths, "rows_per_cell": rows,
-            "seed": EVAL_SEED, "haystack": args.haystack, "torch": torch.__version__,
+            "seed": seed, "haystack": args.haystack, "torch": torch.__version__,
             "methods": {k: (v.to_dict() if v is not None else None) for k, v in methods.items()}}
     files = save(records, args.output, meta)
     if args.json:

@@ -54,8 +54,8 @@ def _mqar_rows(model, settings, length: int, depth: float, n: int, seed: int):
     b = make_batch(s, n, seed, depth=depth)
     question = torch.full((n,), 2 * s.num_queries)
 
-    def score(logits, rows):
-        return (logits[:, b.query_positions].argmax(-1) == b.answers[rows]).float().mean(1)
+    def score(logits, rows):  # logits of the last positions
+        return (logits[:, b.query_positions - length + logits.shape[1]].argmax(-1) == b.answers[rows]).float().mean(1)
     return b.input_ids, question, score
 
 
@@ -91,10 +91,11 @@ def _ppl_rows(stream: Sequence[int], length: int, n: int):
 @torch.no_grad()
 def _run(model, ids, question, score, batch_size: int, meter: FlopsMeter, group: str) -> list[float]:
     device = next(model.parameters()).device
-    per_row = []
+    per_row, keep = [], int(question.max()) + 1  # every task scores inside the question (and the token before it)
     for i in range(0, len(ids), batch_size):
         rows = slice(i, i + batch_size)
-        out = model(ids[rows].to(device), question_length=question[rows].to(device), use_cache=False)
+        out = model(ids[rows].to(device), question_length=question[rows].to(device), use_cache=False,
+                    logits_to_keep=keep)
         logits = out.logits.float().cpu()
         per_row += score(logits, rows).tolist()
         meter.add(group, row_layer_lengths(out, [ids.shape[1]] * logits.shape[0], meter.layers))

@@ -134,8 +134,13 @@ def make_passkey_batch(tokenizer, settings: PasskeySettings, n: int, seed: int, 
 
 def passkey_hits(logits: torch.Tensor, batch: PasskeyBatch) -> torch.Tensor:
     """``[n]`` bool: whether the arg-max next token before every answer token is that token (greedy decoding after
-    the question would write the key).  ``logits [n, seq_len, vocab]`` aligned with the input positions."""
-    target = batch.labels[:, 1:]
+    the question would write the key).  ``logits [n, k, vocab]``: the logits of the last ``k`` input positions
+    (``k = seq_len``: all of them; ``logits_to_keep=k`` with ``k`` above the answer's length suffices)."""
+    k = logits.shape[1]
+    target = batch.labels[:, batch.labels.shape[1] - k + 1:]
+    if bool((batch.labels[:, :batch.labels.shape[1] - k + 1] != -100).any()):
+        raise ValueError(f"passkey_hits: the logits of the last {k} positions do not reach every answer token; "
+                         f"keep more positions (logits_to_keep)")
     scored = target != -100
     pred = logits[:, :-1].argmax(-1)
     if bool(torch.isnan(logits[:, :-1][scored]).any()):
