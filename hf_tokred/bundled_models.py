@@ -15,8 +15,9 @@ BUNDLED_PREFIX = "bundled:"
 
 #: bundled models: the two small language models and the multi-query associative recall model (a Mamba-1 one,
 #: ``recall-mamba``, joins it once its training passes 90 % recall; docs/quality.md), and the same recall model
-#: fine-tuned with the key-value block at any depth of the filler (docs/long-prompts.md)
-BUNDLED = ("mamba", "mamba2", "recall-mamba2", "recall-mamba2-anydepth")
+#: fine-tuned with the key-value block at any depth of the filler, and the passkey (needle in a haystack) model
+#: (docs/long-prompts.md)
+BUNDLED = ("mamba", "mamba2", "recall-mamba2", "recall-mamba2-anydepth", "passkey-mamba2")
 
 
 def bundled_path(family: str) -> Path:
