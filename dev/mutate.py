@@ -94,12 +94,15 @@ TARGETS = {
         "_int", "_lengths", "_lm_head_positions", "layer_flops", "model_flops", "flops_reduction",
         "measured_proxy_reduction"), (("tests/test_flops.py",),)),
     "blocks": Target("hf_tokred/blocks.py", (  # the building blocks' FLOPs formulas
-        "FlopsBreakdown.total", "FlopsBreakdown.matmul", "FlopsBreakdown.__add__", "mamba2_mixer_flops",
-        "attention_flops", "mlp_flops", "moe_flops"), (("tests/test_flops.py", "tests/test_hybrid.py"),)),
-    "families": Target("hf_tokred/families.py", (  # the per-layer FLOPs formulas
-        "mamba1_layer_flops", "mamba2_layer_flops", "_pre_norm_residual", "hybrid_layer_kinds", "bamba_layer_flops",
-        "granite_hybrid_layer_flops", "nemotron_h_layer_flops", "bamba_feed_forward", "granite_hybrid_feed_forward"),
+        "FlopsBreakdown.total", "FlopsBreakdown.matmul", "FlopsBreakdown.__add__", "mamba1_mixer_flops",
+        "pre_norm_residual", "rms_norm_flops", "mamba2_mixer_flops", "attention_flops", "mlp_flops", "moe_flops"),
         (("tests/test_flops.py", "tests/test_hybrid.py"),)),
+    "families": Target("hf_tokred/families.py", (  # the per-layer FLOPs formulas of the pure families
+        "mamba1_layer_flops", "falcon_mamba_layer_flops", "mamba2_layer_flops"),
+        (("tests/test_flops.py", "tests/test_falcon.py"),)),
+    "hybrid_layers": Target("hf_tokred/hybrid_layers.py", (  # the hybrid families' per-layer FLOPs formulas
+        "hybrid_layer_kinds", "bamba_layer_flops", "granite_hybrid_layer_flops", "nemotron_h_layer_flops",
+        "jamba_layer_flops", "bamba_feed_forward", "granite_hybrid_feed_forward"), (("tests/test_hybrid.py",),)),
     "schedule": Target("hf_tokred/schedule.py", (
         "schedule_reduction", "ssm_anchors", "solve_keep_ratio", "check_depth", "default_anchors", "budget_anchors",
         "proxy_flops_reduction", "schedule_fractions", "schedule_proxy_reduction", "merge_count", "removal_count",

@@ -1,24 +1,30 @@
-"""Hybrid SSM-attention models (issue 14): Bamba (rotary attention), Granite 4.0 MoE hybrid (rotary attention + MoE)
-and Nemotron-H (attention without positions, MoE layers), on tiny random models of each.
+"""Hybrid SSM-attention models (issues 14, 23): Bamba (rotary attention), Granite 4.0 MoE hybrid (rotary attention +
+MoE), Nemotron-H (attention without positions, MoE layers) and Jamba (Mamba-1 mixers with dt/B/C norms, attention
+without positions, MoE halves), on tiny random models of each.
 
-References are independent of the reducing loop: stock transformers (reduction off: the wrapped forwards hand over to
-the original code), transformers' own attention module called on the captured reduced input with the original
+References are independent of the reducing loop: stock transformers (``conftest.stock_transformers``: its own forwards
+and kernels, recorded below with hf_tokred uninstalled, so Jamba's reference runs transformers' Mamba-1 loop, not
+hf_tokred's fast kernels), transformers' own attention module called on the captured reduced input with the original
 positions and a plain causal mask, a fresh forward for every decode step, one-at-a-time forwards for padded batches,
-and ``FlopCounterMode`` for the FLOPs.
+and ``FlopCounterMode`` and the dispatched ops for the FLOPs.
 """
 
+import contextlib
 import copy
+import importlib
 import json
 import types
 from collections import Counter
 
 import pytest
 import torch
+import torch.nn.functional as F
 import transformers
 from torch.utils.flop_counter import FlopCounterMode
-from transformers import JambaConfig
+from transformers import ZambaConfig
 
-from hf_tokred import TokenReductionConfig
+import hf_tokred
+from hf_tokred import TokenReductionConfig, fastpath
 from hf_tokred.bench import format_table, run_bench
 from hf_tokred.cli import main
 from hf_tokred.compat import cache_of, layer_cache_kwargs
@@ -29,10 +35,30 @@ from hf_tokred.loop import generation_prompt
 from hf_tokred.models import random_config
 from hf_tokred.settings import apply_token_reduction, resolve_schedule
 
+import conftest
+from conftest import STOCK, stock_transformers
 from test_flops import DispatchCount
 
-HYBRIDS = ["bamba", "granitemoehybrid", "nemotron_h"]
+HYBRIDS = ["bamba", "granitemoehybrid", "nemotron_h", "jamba"]
 ATOL = 1e-5
+
+
+def _record_stock_hybrids() -> None:
+    """transformers' own modules of the hybrid families, read with hf_tokred uninstalled (the kernels it replaces,
+    the forwards it wraps), so that ``stock_transformers()`` restores them."""
+    hf_tokred.uninstall()
+    try:
+        for name in HYBRIDS:
+            family = FAMILIES[name]
+            module = importlib.import_module(family.modeling_module)
+            STOCK.modules[module] = conftest._module_functions(module)
+            for cls in (getattr(transformers, family.lm_class), getattr(transformers, family.backbone_class)):
+                STOCK.methods[cls] = {k: cls.__dict__.get(k) for k in ("forward", "generate")}
+    finally:
+        hf_tokred.install()
+
+
+_record_stock_hybrids()
 
 
 def hybrid_model(name: str, seed: int = 0, **config_kw):
@@ -61,7 +87,7 @@ def stock(model, fn):
     saved = model.config.token_reduction
     apply_token_reduction(model, None)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), stock_transformers():
             return fn()
     finally:
         model.config.token_reduction = saved
@@ -97,9 +123,9 @@ def test_anchor_on_attention_layer_is_refused():
 
 
 def test_unsupported_hybrid_class_is_refused():
-    jamba = types.SimpleNamespace(config=JambaConfig(num_hidden_layers=4))
-    with pytest.raises(ValueError, match="token reduction supports .*BambaForCausalLM.*model_type='jamba'"):
-        apply_token_reduction(jamba, TokenReductionConfig(keep_ratio=0.8))
+    zamba = types.SimpleNamespace(config=ZambaConfig(num_hidden_layers=4))  # Zamba (v1): not in the families table
+    with pytest.raises(ValueError, match="token reduction supports .*JambaForCausalLM.*model_type='zamba'"):
+        apply_token_reduction(zamba, TokenReductionConfig(keep_ratio=0.8))
 
 
 def test_attention_without_explicit_mask_is_refused():
@@ -264,7 +290,7 @@ def test_flops_match_flop_counter(name):
     model = _eager(name)
     n = model.config.num_hidden_layers
     for L in (12, 40):  # one Mamba-2 chunk, and two
-        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        with torch.no_grad(), stock_transformers(), FlopCounterMode(display=False) as counter:
             model(prompt(L, batch=2))
         assert counter.get_total_flops() == model_flops(model.config, [L] * n, batch=2).matmul, L
 
@@ -368,6 +394,14 @@ class _LayerDispatch(DispatchCount):
         return super().__torch_dispatch__(func, types, args, kwargs)
 
 
+def _mamba1_scan_convention(config, kind: str, L: int, B: int) -> int:
+    """The Mamba-1 scan is counted as ``9 B L D N`` where transformers' loop dispatches ``7 B L D N`` element-wise and
+    matmul FLOPs (``tests/test_flops.py``): the difference, for a Jamba SSM layer (by hand)."""
+    if config.model_type != "jamba" or kind != "ssm":
+        return 0
+    return 2 * B * L * config.mamba_expand * config.hidden_size * config.mamba_d_state
+
+
 def _dispatched_per_layer(model, L: int, B: int) -> list:
     counter = _LayerDispatch()
     layers = getattr(model, FAMILIES[model.config.model_type].backbone_attr).layers
@@ -382,7 +416,7 @@ def _dispatched_per_layer(model, L: int, B: int) -> list:
         hooks.append(layer.register_forward_pre_hook(lambda m, a: snapshots.append(Counter(counter.flops)) and None))
         hooks.append(layer.register_forward_hook(lambda m, a, o: snapshots.append(Counter(counter.flops)) and None))
     try:
-        with torch.no_grad(), counter:
+        with torch.no_grad(), stock_transformers(), counter:
             model(prompt(L, batch=B), use_cache=False)
     finally:
         for h in hooks:
@@ -397,7 +431,10 @@ def _dispatched_per_layer(model, L: int, B: int) -> list:
     ("granitemoehybrid", dict(attention_bias=True, position_embedding_type=None, num_local_experts=0)),
     ("nemotron_h", {}),
     ("nemotron_h", dict(mlp_bias=True, use_bias=True, use_conv_bias=False, moe_latent_size=16)),
-], ids=["bamba", "bamba-biases", "granite", "granite-nope-biases-no-moe", "nemotron_h", "nemotron_h-biases-latent"])
+    ("jamba", {}),
+    ("jamba", dict(mamba_proj_bias=True, mamba_conv_bias=False, num_experts=1)),
+], ids=["bamba", "bamba-biases", "granite", "granite-nope-biases-no-moe", "nemotron_h", "nemotron_h-biases-latent",
+        "jamba", "jamba-biases-no-moe"])
 @pytest.mark.parametrize("L", [12, 40])  # one Mamba-2 chunk, and two
 def test_every_term_equals_the_dispatched_ops(name, overrides, L):
     """Each layer's analytic count, matmul and element-wise parts, equals what stock transformers' eager forward of
@@ -412,6 +449,7 @@ def test_every_term_equals_the_dispatched_ops(name, overrides, L):
         mm = sum(v for (region, kind), v in got.items() if kind == "mm")
         ew = sum(v for (region, kind), v in got.items() if kind in ("ew", "bias") and region != "free")
         assert got["norm", "eps"] > 0 and mm > 0 and ew > 0
+        ew += _mamba1_scan_convention(model.config, kinds[i], L, B)
         assert (analytic.matmul, analytic.elementwise) == (mm, ew), (i, kinds[i])
     if "attention_bias" in overrides:  # the variant's bias adds are dispatched (so the check above sees them)
         attention = kinds.index("attention")
@@ -493,3 +531,84 @@ def test_the_largest_reachable_target_is_accepted_and_one_beyond_is_refused():
             assert solve_keep_ratio(12, [2, 5], target, 0.5, costs) == pytest.approx(0.5, abs=1e-9)
         with pytest.raises(ValueError, match="not reachable"):
             solve_keep_ratio(12, [2, 5], reach + 1e-9, 0.5, costs)
+
+
+# ----------------------------------------------------------------------------- generation, budgets, shapes (issue 23)
+
+
+@pytest.mark.parametrize("name", HYBRIDS)
+def test_generate_with_and_without_a_cache_agree(name):
+    """``use_cache`` changes speed only: greedy and sampled generation after a reduced prefill give the same tokens
+    with the cache and without it (a no-cache step re-runs prompt + generated tokens, reducing the prompt alike)."""
+    model = reduce(hybrid_model(name))
+    ids = prompt(20, batch=2, seed=4)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    kw = dict(attention_mask=mask, max_new_tokens=5, pad_token_id=1)
+    with torch.no_grad():
+        assert torch.equal(model.generate(ids, do_sample=False, **kw),
+                           model.generate(ids, do_sample=False, use_cache=False, **kw))
+        torch.manual_seed(7)
+        sampled = model.generate(ids, do_sample=True, **kw)
+        torch.manual_seed(7)
+        assert torch.equal(model.generate(ids, do_sample=True, use_cache=False, **kw), sampled)
+
+
+@pytest.mark.parametrize("name", HYBRIDS)
+def test_keep_tokens_budget(name):
+    """A token budget on a hybrid (the long-context default method re-runs each anchor on what it keeps): each row
+    keeps at most ``keep_tokens`` real tokens after the last anchor, and every decode step equals a fresh forward."""
+    model = hybrid_model(name)
+    apply_token_reduction(model, TokenReductionConfig(keep_tokens=9, anchors=ssm_layers(model)[:2]))
+    ids = prompt(24, batch=2, seed=6)
+    with torch.no_grad():
+        out = model(ids, use_cache=False)
+        gen = model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=1, output_logits=True,
+                             return_dict_in_generate=True)
+    assert (out.kept_positions >= 0).sum(1).tolist() == [9, 9]
+    for t, step_logits in enumerate(gen.logits):
+        with torch.no_grad(), generation_prompt(24, None):
+            fresh = model(gen.sequences[:, : 24 + t], use_cache=False).logits[:, -1]
+        torch.testing.assert_close(step_logits, fresh, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("name", [n for n in HYBRIDS if "1b" in FAMILIES[n].sizes])
+def test_1b_shapes_have_about_a_billion_parameters(name):
+    """``random:<family>-1b`` (the bench shape) is built on the meta device and counted: 0.9 to 1.5 B parameters."""
+    config = random_config(f"{name}-1b")
+    with torch.device("meta"):
+        model = getattr(transformers, FAMILIES[name].lm_class)(config)
+    assert 0.9e9 < sum(p.numel() for p in model.parameters()) < 1.5e9
+
+
+def test_jamba_fast_kernels_are_installed_and_equal_stock():
+    """hf_tokred's CPU Mamba-1 kernels (selective scan, convolution) replace Jamba's own, and a dense forward with a
+    cache (logits, final SSM states) and a decode step equal transformers' loop (fp32, atol 1e-5)."""
+    module = importlib.import_module(FAMILIES["jamba"].modeling_module)
+    assert module.mamba_selective_scan is fastpath.REPLACEMENTS[module]["mamba_selective_scan"]
+    assert module.causal_conv1d_fn is fastpath.REPLACEMENTS[module]["causal_conv1d_fn"]
+    model = hybrid_model("jamba")
+    ids, nxt = prompt(40, batch=2), torch.tensor([[5], [7]])
+    mask = torch.ones_like(ids)
+    mask[1, :6] = 0
+    outs = []
+    for ctx in (stock_transformers, contextlib.nullcontext):
+        with torch.no_grad(), ctx():
+            out = model(ids, attention_mask=mask, use_cache=True)
+            cache = cache_of(out, hybrid=True)
+            states = [cache.layers[i].recurrent_states[0].clone() for i in ssm_layers(model)]
+            step = model(nxt, attention_mask=F.pad(mask, (0, 1), value=1), **layer_cache_kwargs(cache), use_cache=True)
+        outs.append((out.logits, states, step.logits))
+    for got, want in zip(outs[1], outs[0]):
+        torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["jamba"])
+def test_generate_and_bench_commands_on_a_random_tiny_model(name, capsys):
+    assert main(["generate", "hello there", "--model", f"random:{name}-tiny", "--keep-ratio", "0.7",
+                 "--max-new-tokens", "3", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["token_reduction"]["keep_ratio"] == 0.7
+    result = run_bench(f"random:{name}-tiny", length=48, flops=(0.3,), repeats=1, warmup=0, decode_tokens=2,
+                       progress=False)
+    dense, reduced = result["rows"]
+    assert dense["kv_cache_mib"] > reduced["kv_cache_mib"] > 0 and reduced["flops_reduction_exact"] > 0.1
