@@ -14,7 +14,8 @@ from typing import Any
 
 from .blocks import FlopsBreakdown, mamba1_mixer_flops, mamba2_mixer_flops, pre_norm_residual, rms_norm_flops
 from .hybrid_layers import (ANCHOR_KINDS, bamba_feed_forward, bamba_layer_flops, bamba_random,
-                            granite_hybrid_feed_forward, granite_hybrid_layer_flops, granite_random, hybrid_layer_kinds,
+                            falcon_h1_attention_branch, falcon_h1_layer_flops, falcon_h1_random,
+                            granite_hybrid_feed_forward, parallel_layer_kinds, granite_hybrid_layer_flops, granite_random, hybrid_layer_kinds,
                             hybrid_pattern, jamba_layer_flops, jamba_random, nemotron_h_layer_flops, nemotron_h_pattern,
                             nemotron_h_random)
 
@@ -79,6 +80,13 @@ def mamba2_delta(mixer, inputs, output):
     return dt.clamp(min=low, max=high).mean(-1)
 
 
+def falcon_h1_delta(mixer, inputs, output):
+    """As :func:`mamba2_delta`, after Falcon-H1's μP scaling of ``in_proj``'s output (``mixer.mup_vector``, whose
+    last ``num_heads`` entries scale ``dt``)."""
+    heads = mixer.num_heads
+    return mamba2_delta(mixer, inputs, output[..., -heads:] * mixer.mup_vector[..., -heads:])
+
+
 # ----------------------------------------------------------------------------- the table
 
 
@@ -115,10 +123,25 @@ class Family:
     layer_kinds: Callable[[Any], tuple[str, ...]] | None = None
     #: hybrids: what an SSM layer does after ``residual + mixer(norm(x))`` (its feed-forward half), or ``None``
     feed_forward: Callable[[Any, Any], Any] | None = None
-    #: config attributes that multiply the embeddings / divide the logits, block attribute scaling the mixer output
+    #: config attributes that multiply the embeddings / divide or multiply the logits, block attribute scaling the
+    #: mixer output; ``multiplier_on_lookup_only``: the embedding multiplier scales looked-up embeddings only, not
+    #: ``inputs_embeds`` a caller passes (Falcon-H1)
     embedding_multiplier: str = ""
     logits_divisor: str = ""
+    logits_multiplier: str = ""
     residual_multiplier: str = ""
+    multiplier_on_lookup_only: bool = False
+    #: hybrids: the keywords a decoder layer with attention takes the causal mask and (a layer that also runs an SSM
+    #: mixer: Falcon-H1, Zamba2) the SSM's padding mask by
+    causal_mask_arg: str = "attention_mask"
+    ssm_mask_arg: str = ""
+    #: Falcon-H1: what a layer adds beside its SSM mixer, ``parallel_branch(block, normed, attend)`` with
+    #: ``attend(module, x)`` running an attention module on the layer's columns; the plan is made from the SSM
+    #: mixer's output alone unless ``plan_from_sum`` (the sum of both branches: the measured alternative)
+    parallel_branch: Callable[..., Any] | None = None
+    plan_from_sum: bool = False
+    #: Zamba2: the shared attention block reads the original embeddings (reduced with every plan)
+    shared_attention_reads_embeddings: bool = False
     #: hybrids: ``layers_block_type`` of a random model with this many layers
     random_layers: Callable[[int], dict] = lambda layers: {}
     #: the backbone's forward resolves ``use_cache`` with transformers' ``merge_with_config_defaults`` (the hybrids:
@@ -150,6 +173,10 @@ def _mamba2_random(d: int, tiny: bool) -> dict:
 
 
 _MAMBA1_FAST = ("mamba_selective_scan", "causal_conv1d_fn")
+#: where most hybrids keep their parts (transformers' ``*Model`` with ``embed_tokens``, decoder layers with an
+#: ``input_layernorm`` and a ``mamba`` mixer), and their ``use_cache`` rule
+_HYBRID_PARTS = dict(backbone_attr="model", embeddings_attr="embed_tokens", norm_attr="input_layernorm",
+                     mixer_attr="mamba", merged_use_cache=True)
 
 FAMILIES: dict[str, Family] = {
     "mamba": Family(
@@ -185,10 +212,8 @@ FAMILIES: dict[str, Family] = {
         model_type="bamba", name="Bamba", lm_class="BambaForCausalLM", backbone_class="BambaModel",
         config_class="BambaConfig", modeling_module="transformers.models.bamba.modeling_bamba",
         mixer_takes_kwargs=True, layer_flops=bamba_layer_flops, delta_source="in_proj", delta=mamba2_delta,
-        sizes={"tiny": (64, 8), "1b": (2048, 24)}, random_kwargs=bamba_random,
-        backbone_attr="model", embeddings_attr="embed_tokens", final_norm_attr="final_layernorm",
-        norm_attr="input_layernorm", mixer_attr="mamba", layer_kinds=hybrid_layer_kinds,
-        feed_forward=bamba_feed_forward, merged_use_cache=True,
+        sizes={"tiny": (64, 8), "1b": (2048, 24)}, random_kwargs=bamba_random, **_HYBRID_PARTS,
+        final_norm_attr="final_layernorm", layer_kinds=hybrid_layer_kinds, feed_forward=bamba_feed_forward,
         random_layers=lambda n: {"attn_layer_indices": [i for i, t in enumerate(hybrid_pattern(n)) if t != "linear_attention"]},
     ),
     "granitemoehybrid": Family(
@@ -196,11 +221,10 @@ FAMILIES: dict[str, Family] = {
         backbone_class="GraniteMoeHybridModel", config_class="GraniteMoeHybridConfig",
         modeling_module="transformers.models.granitemoehybrid.modeling_granitemoehybrid", mixer_takes_kwargs=True,
         layer_flops=granite_hybrid_layer_flops, delta_source="in_proj", delta=mamba2_delta,
-        sizes={"tiny": (64, 8)}, random_kwargs=granite_random,
-        backbone_attr="model", embeddings_attr="embed_tokens", final_norm_attr="norm",
-        norm_attr="input_layernorm", mixer_attr="mamba", layer_kinds=hybrid_layer_kinds,
-        feed_forward=granite_hybrid_feed_forward, embedding_multiplier="embedding_multiplier",
-        logits_divisor="logits_scaling", residual_multiplier="residual_multiplier", merged_use_cache=True,
+        sizes={"tiny": (64, 8)}, random_kwargs=granite_random, **_HYBRID_PARTS, final_norm_attr="norm",
+        layer_kinds=hybrid_layer_kinds, feed_forward=granite_hybrid_feed_forward,
+        embedding_multiplier="embedding_multiplier", logits_divisor="logits_scaling",
+        residual_multiplier="residual_multiplier",
         random_layers=lambda n: {"layer_types": hybrid_pattern(n)},
     ),
     "nemotron_h": Family(
@@ -220,9 +244,21 @@ FAMILIES: dict[str, Family] = {
         config_class="JambaConfig", modeling_module="transformers.models.jamba.modeling_jamba",
         mixer_takes_kwargs=False, layer_flops=jamba_layer_flops, delta_source="x_proj", delta=falcon_mamba_delta,
         sizes={"tiny": (64, 8), "1b": (2048, 16)}, random_kwargs=jamba_random, fast_functions=_MAMBA1_FAST,
-        backbone_attr="model", embeddings_attr="embed_tokens", final_norm_attr="final_layernorm",
-        norm_attr="input_layernorm", mixer_attr="mamba", layer_kinds=hybrid_layer_kinds,
-        feed_forward=bamba_feed_forward, merged_use_cache=True,
+        **_HYBRID_PARTS, final_norm_attr="final_layernorm", layer_kinds=hybrid_layer_kinds,
+        feed_forward=bamba_feed_forward,
+    ),
+    # every layer: Mamba-2 and rotary attention side by side on one normalised input, μP multipliers on both
+    # branches, the embeddings and the logits; a gated-MLP half.  "1b": a ~1.1 B-parameter shape (hidden 1536,
+    # 24 layers), not a specific checkpoint
+    "falcon_h1": Family(
+        model_type="falcon_h1", name="Falcon-H1", lm_class="FalconH1ForCausalLM", backbone_class="FalconH1Model",
+        config_class="FalconH1Config", modeling_module="transformers.models.falcon_h1.modeling_falcon_h1",
+        mixer_takes_kwargs=True, layer_flops=falcon_h1_layer_flops, delta_source="in_proj", delta=falcon_h1_delta,
+        sizes={"tiny": (64, 4), "1b": (1536, 24)}, random_kwargs=falcon_h1_random, **_HYBRID_PARTS,
+        final_norm_attr="final_layernorm", layer_kinds=parallel_layer_kinds, feed_forward=bamba_feed_forward,
+        embedding_multiplier="embedding_multiplier", multiplier_on_lookup_only=True,
+        logits_multiplier="lm_head_multiplier", residual_multiplier="ssm_out_multiplier",
+        ssm_mask_arg="mamba_attention_mask", parallel_branch=falcon_h1_attention_branch,
     ),
 }
 

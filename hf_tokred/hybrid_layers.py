@@ -15,7 +15,8 @@ from .blocks import (FlopsBreakdown, attention_flops, mamba1_mixer_flops, mamba2
                      pre_norm_residual, rms_norm_flops)
 
 __all__ = ["ANCHOR_KINDS", "ATTENTION_KINDS", "bamba_feed_forward", "bamba_layer_flops", "bamba_random",
-           "granite_hybrid_feed_forward", "granite_hybrid_layer_flops", "granite_random", "hybrid_layer_kinds",
+           "falcon_h1_attention_branch", "falcon_h1_layer_flops", "falcon_h1_random", "granite_hybrid_feed_forward",
+           "granite_hybrid_layer_flops", "granite_random", "hybrid_layer_kinds", "parallel_layer_kinds",
            "hybrid_pattern", "jamba_layer_flops", "jamba_random", "nemotron_h_layer_flops", "nemotron_h_pattern",
            "nemotron_h_random"]
 
@@ -189,3 +190,51 @@ def jamba_random(d: int, tiny: bool) -> dict:
                 mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, attn_layer_period=4 if tiny else 8,
                 attn_layer_offset=2 if tiny else 4, expert_layer_period=2, expert_layer_offset=1,
                 num_experts=4, num_experts_per_tok=2, tie_word_embeddings=False)
+
+
+# ----------------------------------------------------------------------------- Falcon-H1
+
+
+def parallel_layer_kinds(config: Any) -> tuple[str, ...]:
+    """Falcon-H1: every layer runs attention and a Mamba-2 mixer side by side (``"parallel"``)."""
+    return ("parallel",) * config.num_hidden_layers
+
+
+def falcon_h1_layer_flops(config: Any, L: int, B: int, layer: int) -> FlopsBreakdown:
+    """A Falcon-H1 layer: one pre-norm; the Mamba-2 mixer (input scaled by ``ssm_in_multiplier``, ``in_proj``'s
+    output by the μP vector, its own ``out_proj`` bias, a gated RMSNorm only if ``mamba_rms_norm``, output scaled by
+    ``ssm_out_multiplier``) beside rotary attention (input scaled by ``attention_in_multiplier``, keys by
+    ``key_multiplier``, output by ``attention_out_multiplier``); the branches' sum added to the residual; then the
+    gated MLP (gate and output scaled by ``mlp_multipliers``) with its pre-norm and residual add."""
+    d, tokens = config.hidden_size, B * L
+    D = config.mamba_d_ssm if config.mamba_d_ssm is not None else int(config.mamba_expand * d)
+    H, G, N = config.mamba_n_heads, config.mamba_n_groups, config.mamba_d_state
+    ssm = mamba2_mixer_flops(d, D, H, config.mamba_d_head, G, N, config.mamba_d_conv, config.mamba_chunk_size,
+                             config.mamba_proj_bias, config.mamba_conv_bias, L, B, out_bias=config.projectors_bias,
+                             gated_norm=config.mamba_rms_norm)
+    heads = config.num_attention_heads
+    kv_dim = config.num_key_value_heads * (getattr(config, "head_dim", None) or d // heads)
+    ssm_scaling = tokens * (d + (2 * D + 2 * G * N + H) + d)  # ssm_in, μP vector, ssm_out
+    attention_scaling = tokens * (d + kv_dim + d)  # attention_in, keys, attention_out
+    mlp_scaling = tokens * (config.intermediate_size + d)  # gate, down
+    scaling = FlopsBreakdown(ssm_scaling + tokens * d, 0, 0, 0, 0, attention=attention_scaling, mlp=mlp_scaling,
+                             elementwise=ssm_scaling + tokens * d + attention_scaling + mlp_scaling)  # + branch sum
+    return (ssm + _attention(config, L, B, True, config.attention_bias) + scaling
+            + mlp_flops(d, config.intermediate_size, True, config.mlp_bias, tokens)
+            + pre_norm_residual(d, tokens) + pre_norm_residual(d, tokens))
+
+
+def falcon_h1_attention_branch(block: Any, normed: Any, attend: Any) -> Any:
+    """What a Falcon-H1 layer adds beside its scaled Mamba-2 output: its attention on the same normalised input,
+    scaled going in and coming out."""
+    return attend(block.self_attn, normed * block.attention_in_multiplier) * block.attn_out_multiplier
+
+
+def falcon_h1_random(d: int, tiny: bool) -> dict:
+    """Falcon-H1's shapes (Mamba-2 heads of 64 channels, state 256 at full size); tiny: small heads and chunks.  The
+    μP multipliers are left at transformers' defaults (1.0); tests set others."""
+    heads = 4 if tiny else d // 128
+    return dict(num_attention_heads=heads, num_key_value_heads=max(heads // 4, 1), intermediate_size=2 * d if tiny
+                else 3 * d, mamba_d_ssm=2 * d if tiny else None, mamba_n_heads=2 * d // 16 if tiny else 2 * d // 64,
+                mamba_d_head=16 if tiny else 64, mamba_d_state=16 if tiny else 128, mamba_n_groups=1,
+                mamba_chunk_size=32 if tiny else 256, tie_word_embeddings=False)

@@ -30,6 +30,7 @@ from hf_tokred.cli import main
 from hf_tokred.compat import cache_of, layer_cache_kwargs
 from hf_tokred.families import FAMILIES
 from hf_tokred.hybrid import default_positions, note_seen
+from hf_tokred.hybrid_layers import ANCHOR_KINDS, ATTENTION_KINDS
 from hf_tokred.flops import flops_reduction, layer_flops, model_flops
 from hf_tokred.loop import generation_prompt
 from hf_tokred.models import random_config
@@ -39,7 +40,7 @@ import conftest
 from conftest import STOCK, stock_transformers
 from test_flops import DispatchCount
 
-HYBRIDS = ["bamba", "granitemoehybrid", "nemotron_h", "jamba"]
+HYBRIDS = ["bamba", "granitemoehybrid", "nemotron_h", "jamba", "falcon_h1"]
 ATOL = 1e-5
 
 
@@ -74,7 +75,15 @@ def hybrid_model(name: str, seed: int = 0, **config_kw):
 
 
 def ssm_layers(model) -> list[int]:
-    return [i for i, k in enumerate(FAMILIES[model.config.model_type].kinds(model.config)) if k == "ssm"]
+    """The layers an anchor may sit on (an SSM mixer's output to plan from)."""
+    return FAMILIES[model.config.model_type].anchor_layers(model.config)
+
+
+def attention_after_anchors(model) -> list[int]:
+    """The layers that run attention after both of :func:`reduce`'s anchors (on the twice-reduced sequence)."""
+    kinds = FAMILIES[model.config.model_type].kinds(model.config)
+    last = ssm_layers(model)[1]
+    return [i for i, k in enumerate(kinds) if k in ATTENTION_KINDS and i > last]
 
 
 def reduce(model, keep_ratio: float = 0.7):
@@ -191,7 +200,7 @@ def test_attention_sees_reduced_sequence_at_original_positions(model):
     gives what it gave inside the reducing loop."""
     reduce(model)
     family = FAMILIES[model.config.model_type]
-    layer = family.kinds(model.config).index("attention")
+    layer = attention_after_anchors(model)[0]
     attn = _attention_module(getattr(model, family.backbone_attr).layers[layer])
     seen = {}
     hook = attn.register_forward_hook(lambda m, args, kwargs, out: seen.update(kwargs=kwargs, out=out[0]),
@@ -219,7 +228,7 @@ def test_attention_sees_reduced_sequence_at_original_positions(model):
 def test_cache_holds_reduced_keys_and_decoding_continues_at_the_original_position(model):
     reduce(model)
     family = FAMILIES[model.config.model_type]
-    layers = [i for i, k in enumerate(family.kinds(model.config)) if k == "attention"]
+    layers = attention_after_anchors(model)
     ids = prompt(24)
     with torch.no_grad():
         out = model(ids, use_cache=True)
@@ -302,7 +311,7 @@ def test_attention_flops_at_each_layers_reduced_length(name):
     model = reduce(_eager(name))
     family = FAMILIES[name]
     backbone = family.backbone_attr
-    attention = [i for i, k in enumerate(family.kinds(model.config)) if k == "attention"]
+    attention = attention_after_anchors(model)
     with torch.no_grad(), FlopCounterMode(display=False) as counter:
         out = model(prompt(30), use_cache=False)
     counts = counter.get_flop_counts()
@@ -433,8 +442,11 @@ def _dispatched_per_layer(model, L: int, B: int) -> list:
     ("nemotron_h", dict(mlp_bias=True, use_bias=True, use_conv_bias=False, moe_latent_size=16)),
     ("jamba", {}),
     ("jamba", dict(mamba_proj_bias=True, mamba_conv_bias=False, num_experts=1)),
+    ("falcon_h1", {}),
+    ("falcon_h1", dict(mamba_rms_norm=True, attention_bias=True, mlp_bias=True, mamba_proj_bias=True,
+                       projectors_bias=True, mamba_conv_bias=False, mamba_n_groups=2)),
 ], ids=["bamba", "bamba-biases", "granite", "granite-nope-biases-no-moe", "nemotron_h", "nemotron_h-biases-latent",
-        "jamba", "jamba-biases-no-moe"])
+        "jamba", "jamba-biases-no-moe", "falcon_h1", "falcon_h1-gated-norm-biases-groups"])
 @pytest.mark.parametrize("L", [12, 40])  # one Mamba-2 chunk, and two
 def test_every_term_equals_the_dispatched_ops(name, overrides, L):
     """Each layer's analytic count, matmul and element-wise parts, equals what stock transformers' eager forward of
@@ -452,7 +464,7 @@ def test_every_term_equals_the_dispatched_ops(name, overrides, L):
         ew += _mamba1_scan_convention(model.config, kinds[i], L, B)
         assert (analytic.matmul, analytic.elementwise) == (mm, ew), (i, kinds[i])
     if "attention_bias" in overrides:  # the variant's bias adds are dispatched (so the check above sees them)
-        attention = kinds.index("attention")
+        attention = next(i for i, k in enumerate(kinds) if k in ATTENTION_KINDS)
         assert per_layer[attention]["block", "bias"] > 0
 
 
@@ -465,8 +477,8 @@ def test_schedule_command_prints_layer_types_and_anchor_types(name, capsys):
                  "--json"]) == 0
     row = json.loads(capsys.readouterr().out)
     kinds = list(FAMILIES[name].kinds(random_config(f"{name}-tiny")))
-    assert row["layer_types"] == kinds and "attention" in kinds
-    assert row["anchor_types"] == ["ssm"] * len(row["anchors"]) and row["anchors"]
+    assert row["layer_types"] == kinds and set(kinds) & set(ATTENTION_KINDS)
+    assert set(row["anchor_types"]) <= set(ANCHOR_KINDS) and row["anchors"]
     assert row["flops_reduction_exact_scoring"] == pytest.approx(0.2, abs=0.01)  # the solver weighs the layers
 
 
@@ -489,9 +501,10 @@ def test_from_pretrained_with_token_reduction(name, tmp_path):
             assert len(model(prompt(24)).plans) == 2
     model.save_pretrained(tmp_path / "reduced")
     assert transformers.AutoConfig.from_pretrained(tmp_path / "reduced").token_reduction["anchors"] == list(cfg.anchors)
-    attention = FAMILIES[name].kinds(model.config).index("attention")
-    with pytest.raises(ValueError, match="not SSM layers"):
-        loader.from_pretrained(tmp_path, token_reduction=TokenReductionConfig(keep_ratio=0.7, anchors=[attention]))
+    no_ssm = [i for i in range(model.config.num_hidden_layers - 1) if i not in ssm_layers(model)]
+    if no_ssm:  # (every Falcon-H1 layer has an SSM mixer)
+        with pytest.raises(ValueError, match="not SSM layers"):
+            loader.from_pretrained(tmp_path, token_reduction=TokenReductionConfig(keep_ratio=0.7, anchors=no_ssm[:1]))
 
 
 @pytest.mark.parametrize("name", HYBRIDS)
@@ -505,7 +518,7 @@ def test_model_card_figures_use_the_hybrid_schedule(name):
     card = analytic_flops(config, cfg)
     schedule = resolve_schedule(cfg, config)
     kinds = FAMILIES[name].kinds(config)
-    assert card["anchors"] == list(schedule.anchors) and all(kinds[a] == "ssm" for a in card["anchors"])
+    assert card["anchors"] == list(schedule.anchors) and all(kinds[a] in ANCHOR_KINDS for a in card["anchors"])
     assert card["keep_ratio"] == schedule.keep_ratio
 
 
@@ -603,7 +616,7 @@ def test_jamba_fast_kernels_are_installed_and_equal_stock():
         torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("name", ["jamba"])
+@pytest.mark.parametrize("name", ["jamba", "falcon_h1"])
 def test_generate_and_bench_commands_on_a_random_tiny_model(name, capsys):
     assert main(["generate", "hello there", "--model", f"random:{name}-tiny", "--keep-ratio", "0.7",
                  "--max-new-tokens", "3", "--json"]) == 0
@@ -612,3 +625,79 @@ def test_generate_and_bench_commands_on_a_random_tiny_model(name, capsys):
                        progress=False)
     dense, reduced = result["rows"]
     assert dense["kv_cache_mib"] > reduced["kv_cache_mib"] > 0 and reduced["flops_reduction_exact"] > 0.1
+
+
+# ----------------------------------------------------------------------------- Falcon-H1: attention beside the mixer
+
+_MUP = dict(embedding_multiplier=2.5, lm_head_multiplier=0.7, ssm_multipliers=[1.2, 0.8, 1.1, 0.9, 1.3],
+            mlp_multipliers=[1.3, 0.8], key_multiplier=0.9, attention_in_multiplier=1.2, attention_out_multiplier=0.6,
+            ssm_in_multiplier=1.1, ssm_out_multiplier=0.5)
+
+
+def test_falcon_h1_keep_ratio_one_equals_stock_with_mup_multipliers():
+    """Falcon-H1's μP multipliers (embeddings, logits, both branches' inputs and outputs, the μP vector on the mixer's
+    projections, keys, MLP) at values other than 1: the anchors split into branches still equal stock, from ids and
+    from ``inputs_embeds`` (which stock does not scale by the embedding multiplier)."""
+    model = hybrid_model("falcon_h1", **_MUP)
+    test_keep_ratio_one_equals_stock(model)
+    embeds = model.model.embed_tokens(prompt(20, batch=2)).detach()
+    ref = stock(model, lambda: model(inputs_embeds=embeds).logits)
+    with torch.no_grad():
+        torch.testing.assert_close(model(inputs_embeds=embeds).logits, ref, atol=ATOL, rtol=0)
+    assert model.config.embedding_multiplier == 2.5 and model.model.layers[0].ssm_out_multiplier == 0.5
+
+
+def _branch_outputs(model, layer: int, ids):
+    """The scaled outputs of layer ``layer``'s Mamba-2 and attention branches in a dense forward (stock)."""
+    block = model.model.layers[layer]
+    seen = {}
+    hooks = [block.mamba.register_forward_hook(lambda m, a, o: seen.update(ssm=o * block.ssm_out_multiplier)),
+             block.self_attn.register_forward_hook(lambda m, a, o: seen.update(attn=o[0] * block.attn_out_multiplier))]
+    try:
+        stock(model, lambda: model(ids))
+    finally:
+        for h in hooks:
+            h.remove()
+    return seen["ssm"], seen["attn"]
+
+
+def test_falcon_h1_plan_comes_from_the_mamba_branch():
+    """EViT with the l2 metric keeps the last token and the tokens whose anchor output has the largest norm: by hand,
+    from the Mamba branch's scaled output (captured in a stock forward), not from the sum of both branches (which
+    keeps other tokens here)."""
+    model = hybrid_model("falcon_h1", **_MUP)
+    apply_token_reduction(model, TokenReductionConfig(method="evit", metric="l2", keep_ratio=0.5, anchors=[1]))
+    ids = prompt(20, seed=8)
+    ssm, attn = _branch_outputs(model, 1, ids)
+    with torch.no_grad():
+        kept = model(ids, use_cache=False).kept_positions[0].tolist()
+
+    def by_hand(h):
+        top = h[0, :-1].norm(dim=-1).topk(len(kept) - 1).indices
+        return sorted(top.tolist()) + [19]
+
+    assert kept == by_hand(ssm) != by_hand(ssm + attn)
+
+
+def test_falcon_h1_every_later_layer_sees_one_reduced_sequence():
+    """After an anchor both branches of every later layer read the same reduced columns, and each layer's KV cache
+    holds the columns its attention saw: the anchor's the unreduced ones (its attention runs beside its mixer)."""
+    model = reduce(hybrid_model("falcon_h1"))  # anchors 0 and 1
+    lengths = {}
+
+    def seen(key):
+        def hook(module, args, kwargs):
+            lengths[key] = (args[0] if args else kwargs["hidden_states"]).shape[1]
+        return hook
+
+    hooks = [m.register_forward_pre_hook(seen((i, name)), with_kwargs=True) for i, layer in enumerate(model.model.layers)
+             for name, m in (("ssm", layer.mamba), ("attn", layer.self_attn))]
+    with torch.no_grad():
+        out = model(prompt(24), use_cache=True)
+    for h in hooks:
+        h.remove()
+    (_, p0), (_, p1) = out.plans
+    M0, M1 = p0.keep.shape[1], p1.keep.shape[1]
+    assert 24 > M0 > M1
+    assert [lengths[i, "ssm"] for i in range(4)] == [lengths[i, "attn"] for i in range(4)] == [24, M0, M1, M1]
+    assert [out.cache.get_seq_length(i) for i in range(4)] == [24, M0, M1, M1]

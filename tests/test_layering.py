@@ -19,7 +19,7 @@ LAYERS = {
     "hf_tokred.ops": 1, "hf_tokred.reduce": 1, "hf_tokred.select": 1,
     "hf_tokred.compat": 2, "hf_tokred.settings": 2, "hf_tokred.outputs": 2, "hf_tokred.loop": 2, "hf_tokred.hybrid": 2,
     "hf_tokred.forwards": 2, "hf_tokred.variant": 2, "hf_tokred.loading": 2, "hf_tokred.fastpath": 2,
-    "hf_tokred.install": 2, "hf_tokred.question": 2, "hf_tokred.mamba_ssm_loading": 2,
+    "hf_tokred.install": 2, "hf_tokred.question": 2, "hf_tokred.mamba_ssm_loading": 2, "hf_tokred.tokens": 2,
     "hf_tokred.models": 3, "hf_tokred.bench": 3, "hf_tokred.convert": 3, "hf_tokred.evaluation": 3, "hf_tokred.hub": 3,
     "hf_tokred.cli": 4,
     "hf_tokred": 5,
