@@ -103,8 +103,8 @@ TARGETS = {
         (("tests/test_flops.py", "tests/test_falcon.py"),)),
     "hybrid_layers": Target("hf_tokred/hybrid_layers.py", (  # the hybrid families' per-layer FLOPs formulas
         "hybrid_layer_kinds", "bamba_layer_flops", "granite_hybrid_layer_flops", "nemotron_h_layer_flops",
-        "jamba_layer_flops", "falcon_h1_layer_flops", "falcon_h1_attention_branch", "bamba_feed_forward",
-        "granite_hybrid_feed_forward"), (("tests/test_hybrid.py",),)),
+        "jamba_layer_flops", "falcon_h1_layer_flops", "falcon_h1_attention_branch", "zamba2_layer_kinds", "_low_rank",
+        "zamba2_layer_flops", "bamba_feed_forward", "granite_hybrid_feed_forward"), (("tests/test_hybrid.py",),)),
     "schedule": Target("hf_tokred/schedule.py", (
         "schedule_reduction", "ssm_anchors", "solve_keep_ratio", "check_depth", "default_anchors", "budget_anchors",
         "proxy_flops_reduction", "schedule_fractions", "schedule_proxy_reduction", "merge_count", "removal_count",

@@ -17,7 +17,7 @@ from .hybrid_layers import (ANCHOR_KINDS, bamba_feed_forward, bamba_layer_flops,
                             falcon_h1_attention_branch, falcon_h1_layer_flops, falcon_h1_random,
                             granite_hybrid_feed_forward, parallel_layer_kinds, granite_hybrid_layer_flops, granite_random, hybrid_layer_kinds,
                             hybrid_pattern, jamba_layer_flops, jamba_random, nemotron_h_layer_flops, nemotron_h_pattern,
-                            nemotron_h_random)
+                            nemotron_h_random, zamba2_layer_flops, zamba2_layer_kinds, zamba2_pattern, zamba2_random)
 
 __all__ = ["FAMILIES", "Family", "FlopsBreakdown", "family_names", "family_of", "supported_text"]
 
@@ -142,8 +142,8 @@ class Family:
     plan_from_sum: bool = False
     #: Zamba2: the shared attention block reads the original embeddings (reduced with every plan)
     shared_attention_reads_embeddings: bool = False
-    #: hybrids: ``layers_block_type`` of a random model with this many layers
-    random_layers: Callable[[int], dict] = lambda layers: {}
+    #: hybrids: ``layers_block_type`` of a random model with this many layers (tiny or not)
+    random_layers: Callable[[int, bool], dict] = lambda layers, tiny: {}
     #: the backbone's forward resolves ``use_cache`` with transformers' ``merge_with_config_defaults`` (the hybrids:
     #: the config's value, off under gradient checkpointing while training); otherwise as the pure Mamba models do
     #: (the config's value in eval mode, off while training unless passed, off under gradient checkpointing)
@@ -214,7 +214,7 @@ FAMILIES: dict[str, Family] = {
         mixer_takes_kwargs=True, layer_flops=bamba_layer_flops, delta_source="in_proj", delta=mamba2_delta,
         sizes={"tiny": (64, 8), "1b": (2048, 24)}, random_kwargs=bamba_random, **_HYBRID_PARTS,
         final_norm_attr="final_layernorm", layer_kinds=hybrid_layer_kinds, feed_forward=bamba_feed_forward,
-        random_layers=lambda n: {"attn_layer_indices": [i for i, t in enumerate(hybrid_pattern(n)) if t != "linear_attention"]},
+        random_layers=lambda n, tiny: {"attn_layer_indices": [i for i, t in enumerate(hybrid_pattern(n)) if t != "linear_attention"]},
     ),
     "granitemoehybrid": Family(
         model_type="granitemoehybrid", name="Granite 4.0 (MoE hybrid)", lm_class="GraniteMoeHybridForCausalLM",
@@ -225,7 +225,7 @@ FAMILIES: dict[str, Family] = {
         layer_kinds=hybrid_layer_kinds, feed_forward=granite_hybrid_feed_forward,
         embedding_multiplier="embedding_multiplier", logits_divisor="logits_scaling",
         residual_multiplier="residual_multiplier",
-        random_layers=lambda n: {"layer_types": hybrid_pattern(n)},
+        random_layers=lambda n, tiny: {"layer_types": hybrid_pattern(n)},
     ),
     "nemotron_h": Family(
         model_type="nemotron_h", name="Nemotron-H", lm_class="NemotronHForCausalLM",
@@ -234,7 +234,7 @@ FAMILIES: dict[str, Family] = {
         layer_flops=nemotron_h_layer_flops, delta_source="in_proj", delta=mamba2_delta,
         sizes={"tiny": (64, 8)}, random_kwargs=nemotron_h_random,
         backbone_attr="model", layer_kinds=hybrid_layer_kinds, merged_use_cache=True,
-        random_layers=lambda n: {"layers_block_type": nemotron_h_pattern(n)},
+        random_layers=lambda n, tiny: {"layers_block_type": nemotron_h_pattern(n)},
     ),
     # Mamba-1 mixers (RMS norms with weights on dt, B, C) among attention layers without positions
     # (attn_layer_period / offset), MLP or MoE halves (expert_layer_period / offset).  "1b": a ~1.1 B-parameter
@@ -259,6 +259,19 @@ FAMILIES: dict[str, Family] = {
         embedding_multiplier="embedding_multiplier", multiplier_on_lookup_only=True,
         logits_multiplier="lm_head_multiplier", residual_multiplier="ssm_out_multiplier",
         ssm_mask_arg="mamba_attention_mask", parallel_branch=falcon_h1_attention_branch,
+    ),
+    # Mamba-2 layers; at the "hybrid" layers a shared attention block (weights shared by every use, per-use
+    # adapters) reads [hidden states, original embeddings] and its output joins the Mamba-2 layer's input.  Anchors
+    # sit on the plain Mamba-2 layers.  "1b": Zamba2-1.2B's shape (hidden 2048, 38 layers, the shared block at every
+    # sixth), random weights
+    "zamba2": Family(
+        model_type="zamba2", name="Zamba2", lm_class="Zamba2ForCausalLM", backbone_class="Zamba2Model",
+        config_class="Zamba2Config", modeling_module="transformers.models.zamba2.modeling_zamba2",
+        mixer_takes_kwargs=True, layer_flops=zamba2_layer_flops, delta_source="in_proj", delta=mamba2_delta,
+        sizes={"tiny": (64, 8), "1b": (2048, 38)}, random_kwargs=zamba2_random, **_HYBRID_PARTS,
+        final_norm_attr="final_layernorm", layer_kinds=zamba2_layer_kinds, causal_mask_arg="causal_mask",
+        ssm_mask_arg="attention_mask", shared_attention_reads_embeddings=True,
+        random_layers=lambda n, tiny: {"layers_block_type": zamba2_pattern(n, tiny)},
     ),
 }
 

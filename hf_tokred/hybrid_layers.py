@@ -18,7 +18,7 @@ __all__ = ["ANCHOR_KINDS", "ATTENTION_KINDS", "bamba_feed_forward", "bamba_layer
            "falcon_h1_attention_branch", "falcon_h1_layer_flops", "falcon_h1_random", "granite_hybrid_feed_forward",
            "granite_hybrid_layer_flops", "granite_random", "hybrid_layer_kinds", "parallel_layer_kinds",
            "hybrid_pattern", "jamba_layer_flops", "jamba_random", "nemotron_h_layer_flops", "nemotron_h_pattern",
-           "nemotron_h_random"]
+           "nemotron_h_random", "zamba2_layer_flops", "zamba2_layer_kinds", "zamba2_pattern", "zamba2_random"]
 
 #: kinds of layer whose SSM mixer may be an anchor (the plan is made from its output)
 ANCHOR_KINDS = ("ssm", "parallel")
@@ -30,14 +30,18 @@ _KINDS = {"linear_attention": "ssm", "mamba": "ssm", "full_attention": "attentio
           "mlp": "mlp", "moe": "moe"}
 
 
-def hybrid_layer_kinds(config: Any) -> tuple[str, ...]:
-    """``"ssm"`` / ``"attention"`` / ``"mlp"`` / ``"moe"`` for each layer of a hybrid config."""
+def _kinds(config: Any, known: dict[str, str]) -> tuple[str, ...]:
     names = list(config.layers_block_type)
-    unknown = sorted({n for n in names if n not in _KINDS})
+    unknown = sorted({n for n in names if n not in known})
     if unknown:
         raise ValueError(f"{type(config).__name__}.layers_block_type has layer types {unknown} that token reduction "
-                         f"does not know; known: {', '.join(_KINDS)}")
-    return tuple(_KINDS[n] for n in names)
+                         f"does not know; known: {', '.join(known)}")
+    return tuple(known[n] for n in names)
+
+
+def hybrid_layer_kinds(config: Any) -> tuple[str, ...]:
+    """``"ssm"`` / ``"attention"`` / ``"mlp"`` / ``"moe"`` for each layer of a hybrid config."""
+    return _kinds(config, _KINDS)
 
 
 def _rotary_dim(config: Any, head_dim: int) -> int:
@@ -238,3 +242,66 @@ def falcon_h1_random(d: int, tiny: bool) -> dict:
                 else 3 * d, mamba_d_ssm=2 * d if tiny else None, mamba_n_heads=2 * d // 16 if tiny else 2 * d // 64,
                 mamba_d_head=16 if tiny else 64, mamba_d_state=16 if tiny else 128, mamba_n_groups=1,
                 mamba_chunk_size=32 if tiny else 256, tie_word_embeddings=False)
+
+
+# ----------------------------------------------------------------------------- Zamba2
+
+#: Zamba2's layer types: a Mamba-2 layer, or the shared attention block followed by one ("hybrid")
+_ZAMBA2_KINDS = {"linear_attention": "ssm", "mamba": "ssm", "hybrid": "shared_attention"}
+
+
+def zamba2_layer_kinds(config: Any) -> tuple[str, ...]:
+    """``"ssm"`` for a Mamba-2 layer, ``"shared_attention"`` for a hybrid layer (the shared attention block on the
+    hidden states and the original embeddings, then a Mamba-2 layer)."""
+    return _kinds(config, _ZAMBA2_KINDS)
+
+
+def _low_rank(d_in: int, rank: int, d_out: int, tokens: int) -> FlopsBreakdown:
+    """An adapter ``d_in -> rank -> d_out`` (two linears, no bias) whose output is added to a projection's."""
+    return FlopsBreakdown(2 * tokens * (d_in * rank + rank * d_out) + tokens * d_out, 0, 0, 0, 0,
+                          elementwise=tokens * d_out)
+
+
+def zamba2_layer_flops(config: Any, L: int, B: int, layer: int) -> FlopsBreakdown:
+    """A Zamba2 Mamba-2 layer (pre-norm, mixer with a gated RMSNorm and an always-biased convolution, residual add);
+    a hybrid layer adds, before it, the shared block on ``[hidden, embeddings]`` (``2 d`` wide: its RMSNorm, rotary
+    attention if ``use_mem_rope``, the q/k/v adapters if ``use_shared_attention_adapter``, then an RMSNorm and the
+    gated MLP with its gate/up adapter), its ``d x d`` output linear, and the add onto the mixer's input."""
+    d, tokens = config.hidden_size, B * L
+    D = int(config.mamba_expand * d)
+    mixer = mamba2_mixer_flops(d, D, config.n_mamba_heads, config.mamba_headdim, config.mamba_ngroups,
+                               config.mamba_d_state, config.mamba_d_conv, config.chunk_size, config.add_bias_linear,
+                               True, L, B)
+    total = mixer + pre_norm_residual(d, tokens)
+    if zamba2_layer_kinds(config)[layer] == "ssm":
+        return total
+    wide, heads, r = 2 * d, config.num_attention_heads, config.adapter_rank
+    head_dim = config.attention_head_dim
+    rotary = _rotary_dim(config, head_dim) if config.use_mem_rope else 0
+    shared = (rms_norm_flops(wide, tokens)
+              + attention_flops(d, heads, config.num_key_value_heads, head_dim, False, rotary, L, L, B, d_in=wide)
+              + rms_norm_flops(d, tokens) + mlp_flops(d, config.intermediate_size, True, config.add_bias_linear, tokens)
+              + _low_rank(d, r, 2 * config.intermediate_size, tokens))
+    if config.use_shared_attention_adapter:
+        kv = config.num_key_value_heads * head_dim
+        shared = shared + _low_rank(wide, r, heads * head_dim, tokens) + _low_rank(wide, r, kv, tokens) + _low_rank(
+            wide, r, kv, tokens)
+    out = FlopsBreakdown(2 * tokens * d * d + tokens * d, 0, 0, 0, 0, elementwise=tokens * d)  # linear, add
+    return total + shared + out
+
+
+def zamba2_random(d: int, tiny: bool) -> dict:
+    """Zamba2's shapes (Zamba2-1.2B at full size: Mamba-2 heads of 64 channels, state 128, one shared block with
+    adapters of rank 128, rotary attention); tiny: small heads, two shared blocks used in turn, rank 8."""
+    return dict(num_attention_heads=4 if tiny else d // 64, mamba_d_state=16 if tiny else 128,
+                n_mamba_heads=2 * d // 16 if tiny else 2 * d // 64, chunk_size=32 if tiny else 256,
+                num_mem_blocks=2 if tiny else 1, use_shared_attention_adapter=True, adapter_rank=8 if tiny else 128,
+                use_mem_rope=True, intermediate_size=2 * d if tiny else 4 * d, tie_word_embeddings=True)
+
+
+def zamba2_pattern(layers: int, tiny: bool) -> list[str]:
+    """Tiny: the shared block at every fourth layer from the third (as the other random hybrids); otherwise at
+    every sixth from the sixth (Zamba2-1.2B's)."""
+    if tiny:
+        return ["hybrid" if t == "full_attention" else t for t in hybrid_pattern(layers)]
+    return ["hybrid" if i % 6 == 5 else "linear_attention" for i in range(layers)]

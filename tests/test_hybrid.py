@@ -40,7 +40,7 @@ import conftest
 from conftest import STOCK, stock_transformers
 from test_flops import DispatchCount
 
-HYBRIDS = ["bamba", "granitemoehybrid", "nemotron_h", "jamba", "falcon_h1"]
+HYBRIDS = ["bamba", "granitemoehybrid", "nemotron_h", "jamba", "falcon_h1", "zamba2"]
 ATOL = 1e-5
 
 
@@ -191,7 +191,8 @@ def test_keep_ratio_one_equals_stock(model):
 
 
 def _attention_module(block):
-    return getattr(block, "self_attn", None) or block.mixer
+    shared = getattr(block, "shared_transformer", None)  # Zamba2's shared block
+    return shared.self_attn if shared is not None else getattr(block, "self_attn", None) or block.mixer
 
 
 def test_attention_sees_reduced_sequence_at_original_positions(model):
@@ -220,6 +221,7 @@ def test_attention_sees_reduced_sequence_at_original_positions(model):
         kwargs["position_embeddings"] = rotary(hidden, original)
     M = hidden.shape[1]
     causal = torch.ones(M, M, dtype=torch.bool).tril()[None, None]
+    kwargs.update({k: v for k, v in seen["kwargs"].items() if k == "layer_idx"})  # Zamba2: which use of the block
     with torch.no_grad():
         ref = attn(hidden_states=hidden, attention_mask=causal, **kwargs)[0]
     torch.testing.assert_close(seen["out"], ref, atol=ATOL, rtol=0)
@@ -445,8 +447,11 @@ def _dispatched_per_layer(model, L: int, B: int) -> list:
     ("falcon_h1", {}),
     ("falcon_h1", dict(mamba_rms_norm=True, attention_bias=True, mlp_bias=True, mamba_proj_bias=True,
                        projectors_bias=True, mamba_conv_bias=False, mamba_n_groups=2)),
+    ("zamba2", {}),
+    ("zamba2", dict(add_bias_linear=True, use_shared_attention_adapter=False, use_mem_rope=False, mamba_ngroups=2)),
 ], ids=["bamba", "bamba-biases", "granite", "granite-nope-biases-no-moe", "nemotron_h", "nemotron_h-biases-latent",
-        "jamba", "jamba-biases-no-moe", "falcon_h1", "falcon_h1-gated-norm-biases-groups"])
+        "jamba", "jamba-biases-no-moe", "falcon_h1", "falcon_h1-gated-norm-biases-groups", "zamba2",
+        "zamba2-biases-no-adapters-nope-groups"])
 @pytest.mark.parametrize("L", [12, 40])  # one Mamba-2 chunk, and two
 def test_every_term_equals_the_dispatched_ops(name, overrides, L):
     """Each layer's analytic count, matmul and element-wise parts, equals what stock transformers' eager forward of
@@ -616,7 +621,7 @@ def test_jamba_fast_kernels_are_installed_and_equal_stock():
         torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("name", ["jamba", "falcon_h1"])
+@pytest.mark.parametrize("name", ["jamba", "falcon_h1", "zamba2"])
 def test_generate_and_bench_commands_on_a_random_tiny_model(name, capsys):
     assert main(["generate", "hello there", "--model", f"random:{name}-tiny", "--keep-ratio", "0.7",
                  "--max-new-tokens", "3", "--json"]) == 0
@@ -701,3 +706,90 @@ def test_falcon_h1_every_later_layer_sees_one_reduced_sequence():
     assert 24 > M0 > M1
     assert [lengths[i, "ssm"] for i in range(4)] == [lengths[i, "attn"] for i in range(4)] == [24, M0, M1, M1]
     assert [out.cache.get_seq_length(i) for i in range(4)] == [24, M0, M1, M1]
+
+
+_SCANS = {"jamba": "mamba_selective_scan", "falcon_h1": "mamba2_chunk_scan"}
+
+
+def _stock_step_sizes(model, ids, layer: int):
+    """The mean step size per token of layer ``layer``'s SSM, from the arguments transformers' own scan receives in
+    a stock forward (Jamba: ``softplus(dt + delta_bias)`` over the channels; Falcon-H1: ``softplus(dt + dt_bias)``
+    clamped to ``dt_limit``, over the heads)."""
+    name = model.config.model_type
+    module = importlib.import_module(FAMILIES[name].modeling_module)
+    original, calls = STOCK.modules[module][_SCANS[name]], []
+
+    def recording(*args, **kwargs):
+        calls.append((args, kwargs))
+        return original(*args, **kwargs)
+
+    STOCK.modules[module][_SCANS[name]] = recording  # what stock_transformers() puts in place
+    try:
+        stock(model, lambda: model(ids))
+    finally:
+        STOCK.modules[module][_SCANS[name]] = original
+    args, kwargs = calls[ssm_layers(model).index(layer)]
+    if name == "jamba":
+        return F.softplus(args[1] + kwargs["delta_bias"][:, None]).mean(1)
+    low, high = kwargs["dt_limit"]
+    return F.softplus(args[1] + kwargs["dt_bias"]).clamp(low, high).mean(-1)
+
+
+@pytest.mark.parametrize("name", list(_SCANS))
+def test_delta_metric_is_the_stock_scans_mean_step_size(name):
+    """EViT with the ``delta`` metric keeps the last token and the tokens with the largest mean step size at the
+    anchor: by hand, from what transformers' own scan receives (Falcon-H1's μP vector scales ``dt``)."""
+    model = hybrid_model(name, **(_MUP if name == "falcon_h1" else {}))
+    anchor = ssm_layers(model)[1]
+    apply_token_reduction(model, TokenReductionConfig(method="evit", metric="delta", keep_ratio=0.5, anchors=[anchor]))
+    ids = prompt(20, seed=9)
+    step = _stock_step_sizes(model, ids, anchor)
+    with torch.no_grad():
+        kept = model(ids, use_cache=False).kept_positions[0].tolist()
+    assert kept == sorted(step[0, :-1].topk(len(kept) - 1).indices.tolist()) + [19]
+
+
+# ----------------------------------------------------------------------------- Zamba2: the shared block's embeddings
+
+
+def _merged_by_hand(x: torch.Tensor, plan) -> torch.Tensor:
+    """``x [B, N, D]`` after a plan whose strategy merges every removed token into its destination: each kept
+    column is the mean of its own row and the rows merged into it (written from the definition, row by row)."""
+    B, M = plan.keep.shape
+    out = torch.zeros(B, M, x.shape[-1])
+    for b in range(B):
+        for j in range(M):
+            if not plan.keep_mask[b, j]:
+                continue
+            rows = [int(plan.keep[b, j])] + [int(plan.src[b, r]) for r in range(plan.src.shape[1])
+                                             if plan.src_mask[b, r] and int(plan.dst_slot[b, r]) == j]
+            out[b, j] = x[b, rows].mean(0)
+    return out
+
+
+@pytest.mark.parametrize("method", ["evit", "utrc"])
+def test_zamba2_shared_block_reads_the_original_embeddings_of_the_kept_tokens(method):
+    """After the anchors, Zamba2's shared attention block reads the original embeddings reduced by the same plans as
+    the hidden states (EViT prunes: the kept tokens' own embeddings; UTRC merges the residual stream: each kept
+    column's embedding averaged with those merged into it, anchor by anchor, by hand), and its rotary embeddings at
+    the kept tokens' original positions."""
+    model = hybrid_model("zamba2")
+    apply_token_reduction(model, TokenReductionConfig(method=method, keep_ratio=0.7, anchors=ssm_layers(model)[:2]))
+    layer = attention_after_anchors(model)[0]
+    seen = {}
+    hook = model.model.layers[layer].shared_transformer.register_forward_hook(
+        lambda m, args, kwargs, out: seen.update(kwargs), with_kwargs=True)
+    ids = prompt(24, batch=2, seed=10)
+    with torch.no_grad():
+        out = model(ids, use_cache=False)
+        embeddings = model.model.embed_tokens(ids)
+    hook.remove()
+    (_, p0), (_, p1) = out.plans
+    if method == "evit":
+        want = embeddings.gather(1, out.kept_positions[..., None].expand(-1, -1, embeddings.shape[-1]))
+    else:
+        want = _merged_by_hand(_merged_by_hand(embeddings, p0), p1)
+    torch.testing.assert_close(seen["original_hidden_states"], want, atol=ATOL, rtol=0)
+    cos, sin = model.model.rotary_emb(embeddings, out.kept_positions)
+    torch.testing.assert_close(seen["position_embeddings"][0], cos, atol=0, rtol=0)
+    torch.testing.assert_close(seen["position_embeddings"][1], sin, atol=0, rtol=0)
