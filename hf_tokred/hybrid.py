@@ -5,7 +5,8 @@ After an anchor, attention layers see the reduced sequence: each kept token keep
 mask runs over the reduced columns (their order is the original order), and padding columns (left padding, and the
 slots a plan leaves when rows keep different numbers of tokens) are masked out.  The KV cache then holds the
 reduced keys/values; the cache also records, per attention layer, which of its cached columns are real, so a
-decode step masks the same columns a fresh forward over prompt + generated tokens would.
+decode step masks the same columns a fresh forward over prompt + generated tokens would.  Zamba2's shared attention
+block also reads the original embeddings: they follow every plan as the residual stream does.
 """
 
 from __future__ import annotations

@@ -137,8 +137,9 @@ def test_unsupported_hybrid_class_is_refused():
         apply_token_reduction(zamba, TokenReductionConfig(keep_ratio=0.8))
 
 
-def test_attention_without_explicit_mask_is_refused():
-    model = reduce(hybrid_model("bamba"))
+@pytest.mark.parametrize("name", ["bamba", "jamba", "falcon_h1", "zamba2"])
+def test_attention_without_explicit_mask_is_refused(name):
+    model = reduce(hybrid_model(name))
     model.config._attn_implementation_internal = "flash_attention_2"
     with pytest.raises(ValueError, match="attn_implementation='flash_attention_2'.*load the model with "
                                          "attn_implementation='sdpa'"):
@@ -359,7 +360,7 @@ def test_default_positions_start_at_zero_and_continue_at_the_positions_seen():
     assert torch.equal(default_positions(stock_filled, 1, 2, False, "cpu"), torch.tensor([[17, 18]]))
 
 
-@pytest.mark.parametrize("name", ["bamba", "granitemoehybrid"])
+@pytest.mark.parametrize("name", ["bamba", "granitemoehybrid", "falcon_h1", "zamba2"])
 def test_decoding_on_a_cache_filled_without_reduction_continues_at_its_length(name):
     """A cache filled by stock transformers (reduction off), then a decode step with reduction on and no position
     ids: the new token sits at position 20, the cache's length (rotary attention would see another distance
