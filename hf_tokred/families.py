@@ -15,7 +15,8 @@ from typing import Any
 from .blocks import FlopsBreakdown, mamba1_mixer_flops, mamba2_mixer_flops, pre_norm_residual, rms_norm_flops
 from .hybrid_layers import (ANCHOR_KINDS, bamba_feed_forward, bamba_layer_flops, bamba_random,
                             falcon_h1_attention_branch, falcon_h1_layer_flops, falcon_h1_random,
-                            granite_hybrid_feed_forward, parallel_layer_kinds, granite_hybrid_layer_flops, granite_random, hybrid_layer_kinds,
+                            granite_hybrid_feed_forward, parallel_layer_kinds, granite_hybrid_layer_flops, granite_random,
+                            hybrid_layer_kinds,
                             hybrid_pattern, jamba_layer_flops, jamba_random, nemotron_h_layer_flops, nemotron_h_pattern,
                             nemotron_h_random, zamba2_layer_flops, zamba2_layer_kinds, zamba2_pattern, zamba2_random)
 

@@ -190,8 +190,8 @@ def jamba_random(d: int, tiny: bool) -> dict:
     """Tiny: attention every fourth layer from the third, as the other random hybrids; otherwise Jamba's own layout
     (attention every eighth layer from the fifth); MoE every other layer from the second (Jamba's) in both."""
     heads = 4 if tiny else d // 128
-    return dict(num_attention_heads=heads, num_key_value_heads=max(heads // 4, 1), intermediate_size=2 * d if tiny else d,
-                mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, attn_layer_period=4 if tiny else 8,
+    return dict(num_attention_heads=heads, num_key_value_heads=max(heads // 4, 1),
+                intermediate_size=2 * d if tiny else d, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, attn_layer_period=4 if tiny else 8,
                 attn_layer_offset=2 if tiny else 4, expert_layer_period=2, expert_layer_offset=1,
                 num_experts=4, num_experts_per_tok=2, tie_word_embeddings=False)
 

@@ -2,8 +2,8 @@
 
 At an anchor the block is split into its two branches (``residual`` and ``h = mixer(norm(x))``); a plan is made
 once from ``h`` and applied to both before they are added (Falcon-H1: ``h`` also holds the attention that runs beside
-the mixer on the same normalised input; the plan is made from the SSM mixer's part).  The attention mask, the protected positions and the
-map to input positions shrink with the sequence.  Inside ``generate()`` only the prompt is reduced: a no-cache
+the mixer on the same normalised input; the plan is made from the SSM mixer's part).  The attention mask, the
+protected positions and the map to input positions shrink with the sequence.  Inside ``generate()`` only the prompt is reduced: a no-cache
 step re-runs prompt + generated tokens, and the generated tokens are kept as they are, so ``use_cache`` changes
 speed only.
 """

@@ -696,8 +696,8 @@ def test_falcon_h1_every_later_layer_sees_one_reduced_sequence():
             lengths[key] = (args[0] if args else kwargs["hidden_states"]).shape[1]
         return hook
 
-    hooks = [m.register_forward_pre_hook(seen((i, name)), with_kwargs=True) for i, layer in enumerate(model.model.layers)
-             for name, m in (("ssm", layer.mamba), ("attn", layer.self_attn))]
+    hooks = [m.register_forward_pre_hook(seen((i, name)), with_kwargs=True)
+             for i, layer in enumerate(model.model.layers) for name, m in (("ssm", layer.mamba), ("attn", layer.self_attn))]
     with torch.no_grad():
         out = model(prompt(24), use_cache=True)
     for h in hooks:
