@@ -1,6 +1,7 @@
 """Hybrid SSM-attention models (issues 14, 23): Bamba (rotary attention), Granite 4.0 MoE hybrid (rotary attention +
-MoE), Nemotron-H (attention without positions, MoE layers) and Jamba (Mamba-1 mixers with dt/B/C norms, attention
-without positions, MoE halves), on tiny random models of each.
+MoE), Nemotron-H (attention without positions, MoE layers), Jamba (Mamba-1 mixers with dt/B/C norms, attention
+without positions, MoE halves), Falcon-H1 (attention beside Mamba-2 in every layer, μP multipliers) and Zamba2 (a
+shared attention block reading the original embeddings), on tiny random models of each.
 
 References are independent of the reducing loop: stock transformers (``conftest.stock_transformers``: its own forwards
 and kernels, recorded below with hf_tokred uninstalled, so Jamba's reference runs transformers' Mamba-1 loop, not
