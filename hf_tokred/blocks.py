@@ -15,7 +15,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 
-__all__ = ["FlopsBreakdown", "attention_flops", "mamba2_mixer_flops", "mlp_flops", "moe_flops"]
+__all__ = ["FlopsBreakdown", "attention_flops", "mamba1_mixer_flops", "mamba2_mixer_flops", "mlp_flops", "moe_flops",
+           "pre_norm_residual", "rms_norm_flops"]
 
 
 @dataclass(frozen=True)
@@ -52,16 +53,52 @@ class FlopsBreakdown:
         return FlopsBreakdown(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
 
 
+def mamba1_mixer_flops(d: int, D: int, N: int, R: int, K: int, use_bias: bool, use_conv_bias: bool, L: int,
+                       B: int) -> FlopsBreakdown:
+    """The Mamba-1 mixer (``in_proj``, causal conv, ``x_proj``, ``dt_proj``, selective scan, gate, ``out_proj``) on
+    ``B x L`` tokens: model width ``d``, inner width ``D``, state ``N``, time-step rank ``R``, conv kernel ``K``.
+    ``dt_proj``'s bias is always there (added inside the scan).  No block norm and no residual add."""
+    tokens = B * L
+    proj_mm = 2 * tokens * (d * 2 * D + D * (R + 2 * N) + R * D + D * d)
+    proj_ew = tokens * D + (tokens * (2 * D + d) if use_bias else 0)
+
+    conv_positions = B * (L + K - 1)
+    conv_mm = 2 * conv_positions * D * K
+    conv_ew = conv_positions * D if use_conv_bias else 0
+
+    scan_mm = 2 * tokens * D * N  # C . h, a batched matmul in HF
+    scan_ew = 7 * tokens * D * N + 2 * tokens * D + tokens * D  # rest of 9BLDN, D skip, gate
+    return FlopsBreakdown(projections=proj_mm + proj_ew, conv=conv_mm + conv_ew, scan=scan_mm + scan_ew, norm=0,
+                          lm_head=0, elementwise=proj_ew + conv_ew + scan_ew)
+
+
+def pre_norm_residual(d: int, tokens: int, scaled: bool = False) -> FlopsBreakdown:
+    """A block's RMSNorm (``4*d`` per token) and residual add (``d``; ``scaled``: also a multiplier, ``d``)."""
+    add = tokens * d * (2 if scaled else 1)
+    return FlopsBreakdown(add, 0, 0, 0, 0, elementwise=add) + rms_norm_flops(d, tokens)
+
+
+def rms_norm_flops(features: int, tokens: int, weighted: bool = True) -> FlopsBreakdown:
+    """An RMSNorm over ``features`` on ``tokens`` tokens: square, sum and scale (``3`` per feature), and the weight
+    (``1``) unless weightless."""
+    n = (4 if weighted else 3) * tokens * features
+    return FlopsBreakdown(0, 0, 0, n, 0, elementwise=n)
+
+
 def mamba2_mixer_flops(d: int, D: int, H: int, P: int, G: int, N: int, K: int, Q: int, use_bias: bool,
-                       use_conv_bias: bool, L: int, B: int) -> FlopsBreakdown:
+                       use_conv_bias: bool, L: int, B: int, *, out_bias: bool | None = None,
+                       gated_norm: bool = True) -> FlopsBreakdown:
     """The Mamba-2 mixer (``in_proj``, causal conv, chunked SSD scan, gated RMSNorm, ``out_proj``) on ``B x L``
     tokens: model width ``d``, inner width ``D``, ``H`` heads of ``P`` channels, ``G`` groups, state ``N``, conv
-    kernel ``K``, chunk ``Q``.  No block norm and no residual add (the block adds those)."""
+    kernel ``K``, chunk ``Q``.  No block norm and no residual add (the block adds those).  ``out_bias``:
+    ``out_proj``'s bias when it differs from ``in_proj``'s (``use_bias``); ``gated_norm=False``: the scan's output
+    is only gated (``y * silu(z)``, ``D`` per token, booked under the scan), not normalised."""
     conv_dim = D + 2 * G * N
     tokens = B * L
     in_out = D + conv_dim + H
     proj_mm = 2 * tokens * (d * in_out + D * d)
-    proj_ew = tokens * (in_out + d) if use_bias else 0
+    out_bias = use_bias if out_bias is None else out_bias
+    proj_ew = tokens * ((in_out if use_bias else 0) + (d if out_bias else 0))
 
     conv_positions = B * (L + K - 1)
     conv_mm = 2 * conv_positions * conv_dim * K
@@ -78,21 +115,23 @@ def mamba2_mixer_flops(d: int, D: int, H: int, P: int, G: int, N: int, K: int, Q
         + 2 * H * Lp * Q  # intra-chunk segment-sum cumsum, G * L
         + H * Lp * N  # B * decay_states
         + H * (nc + 1) ** 2  # inter-chunk segment-sum cumsum
-    )
-    norm = 5 * tokens * D  # gated RMSNorm
+    ) + (0 if gated_norm else tokens * D)  # the gate alone
+    norm = 5 * tokens * D if gated_norm else 0  # gated RMSNorm: x * silu(z), then RMSNorm
     return FlopsBreakdown(projections=proj_mm + proj_ew, conv=conv_mm + conv_ew, scan=scan_mm + scan_ew, norm=norm,
                           lm_head=0, elementwise=proj_ew + conv_ew + scan_ew + norm)
 
 
 def attention_flops(d: int, heads: int, kv_heads: int, head_dim: int, bias: bool, rotary_dim: int, L: int, S: int,
-                    B: int) -> FlopsBreakdown:
+                    B: int, d_in: int | None = None) -> FlopsBreakdown:
     """Grouped-query attention of ``L`` queries over ``S`` keys/values (``B`` sequences): the q/k/v/o projections,
     both score products over the whole ``L x S`` matrix, the score scaling and mask add, and the rotary embedding of
     the first ``rotary_dim`` channels of each query and key head (``q*cos + rotate(q)*sin``: 3 FLOPs per element;
-    ``rotary_dim=0``: no positions in attention)."""
+    ``rotary_dim=0``: no positions in attention).  ``d_in``: the width q/k/v read when it is not the output's ``d``
+    (Zamba2's shared block reads ``2 d``)."""
     tokens = B * L
     q_dim, kv_dim = heads * head_dim, kv_heads * head_dim
-    proj_mm = 2 * tokens * (d * q_dim + 2 * d * kv_dim + q_dim * d)
+    d_in = d if d_in is None else d_in
+    proj_mm = 2 * tokens * (d_in * q_dim + 2 * d_in * kv_dim + q_dim * d)
     proj_ew = tokens * (q_dim + 2 * kv_dim + d) if bias else 0
     scores_mm = 2 * 2 * B * heads * L * S * head_dim
     scores_ew = 2 * B * heads * L * S

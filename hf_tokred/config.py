@@ -359,8 +359,8 @@ class TokenReductionConfig:
         if off:
             raise ValueError(
                 f"TokenReductionConfig.anchors {list(anchors)}: layer(s) {off} of this hybrid model are not SSM layers "
-                f"(an anchor's importance comes from its SSM mixer); pick anchors among the SSM layers "
-                f"{list(ssm_layers)}, or omit anchors to use the default rule"
+                f"an anchor can split (attention, feed-forward, Zamba2's shared-attention layers); pick anchors among "
+                f"the SSM layers {list(ssm_layers)}, or omit anchors to use the default rule"
             )
         if self.keep_tokens is not None:  # the long-sequence limit of a budget: nothing after the first anchor
             return ResolvedSchedule(num_hidden_layers, tuple(anchors), None,

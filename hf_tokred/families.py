@@ -12,7 +12,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .blocks import FlopsBreakdown, attention_flops, mamba2_mixer_flops, mlp_flops, moe_flops
+from .blocks import FlopsBreakdown, mamba1_mixer_flops, mamba2_mixer_flops, pre_norm_residual, rms_norm_flops
+from .hybrid_layers import (ANCHOR_KINDS, bamba_feed_forward, bamba_layer_flops, bamba_random,
+                            falcon_h1_attention_branch, falcon_h1_layer_flops, falcon_h1_random,
+                            granite_hybrid_feed_forward, parallel_layer_kinds, granite_hybrid_layer_flops, granite_random,
+                            hybrid_layer_kinds,
+                            hybrid_pattern, jamba_layer_flops, jamba_random, nemotron_h_layer_flops, nemotron_h_pattern,
+                            nemotron_h_random, zamba2_layer_flops, zamba2_layer_kinds, zamba2_pattern, zamba2_random)
 
 __all__ = ["FAMILIES", "Family", "FlopsBreakdown", "family_names", "family_of", "supported_text"]
 
@@ -21,41 +27,17 @@ __all__ = ["FAMILIES", "Family", "FlopsBreakdown", "family_names", "family_of", 
 
 
 def mamba1_layer_flops(config: Any, L: int, B: int) -> FlopsBreakdown:
-    d = config.hidden_size
-    D = config.intermediate_size
-    N = config.state_size
-    R = int(config.time_step_rank)
-    K = config.conv_kernel
-    tokens = B * L
-
-    proj_mm = 2 * tokens * (d * 2 * D + D * (R + 2 * N) + R * D + D * d)
-    proj_ew = tokens * D + tokens * d  # dt_proj bias (added inside the scan in HF), residual add
-    if config.use_bias:
-        proj_ew += tokens * (2 * D + d)
-
-    conv_positions = B * (L + K - 1)
-    conv_mm = 2 * conv_positions * D * K
-    conv_ew = conv_positions * D if config.use_conv_bias else 0
-
-    scan_mm = 2 * tokens * D * N  # C . h, a batched matmul in HF
-    scan_ew = 7 * tokens * D * N + 2 * tokens * D + tokens * D  # rest of 9BLDN, D skip, gate
-
-    norm = 4 * tokens * d
-    return FlopsBreakdown(
-        projections=proj_mm + proj_ew,
-        conv=conv_mm + conv_ew,
-        scan=scan_mm + scan_ew,
-        norm=norm,
-        lm_head=0,
-        elementwise=proj_ew + conv_ew + scan_ew + norm,
-    )
+    mixer = mamba1_mixer_flops(config.hidden_size, config.intermediate_size, config.state_size,
+                               int(config.time_step_rank), config.conv_kernel, config.use_bias, config.use_conv_bias, L,
+                               B)
+    return mixer + pre_norm_residual(config.hidden_size, B * L)
 
 
 def falcon_mamba_layer_flops(config: Any, L: int, B: int) -> FlopsBreakdown:
     """Mamba-1's block plus Falcon Mamba's three weightless RMS norms on the SSM inputs (``dt`` over the time-step
     rank, ``B`` and ``C`` over the state): square, sum and scale, ``3`` FLOPs per feature and token."""
-    extra = 3 * B * L * (int(config.time_step_rank) + 2 * config.state_size)
-    return mamba1_layer_flops(config, L, B) + FlopsBreakdown(0, 0, 0, extra, 0, elementwise=extra)
+    extra = rms_norm_flops(int(config.time_step_rank) + 2 * config.state_size, B * L, weighted=False)
+    return mamba1_layer_flops(config, L, B) + extra
 
 
 def mamba2_layer_flops(config: Any, L: int, B: int) -> FlopsBreakdown:
@@ -63,13 +45,7 @@ def mamba2_layer_flops(config: Any, L: int, B: int) -> FlopsBreakdown:
     mixer = mamba2_mixer_flops(d, int(config.expand * d), config.num_heads, config.head_dim, config.n_groups,
                                config.state_size, config.conv_kernel, config.chunk_size, config.use_bias,
                                config.use_conv_bias, L, B)
-    return mixer + _pre_norm_residual(d, B * L)
-
-
-def _pre_norm_residual(d: int, tokens: int, scaled: bool = False) -> FlopsBreakdown:
-    """A block's RMSNorm (``4*d`` per token) and residual add (``d``; ``scaled``: also a multiplier, ``d``)."""
-    add = tokens * d * (2 if scaled else 1)
-    return FlopsBreakdown(add, 0, 0, 4 * tokens * d, 0, elementwise=add + 4 * tokens * d)
+    return mixer + pre_norm_residual(d, B * L)
 
 
 # ----------------------------------------------------------------------------- the SSM's step sizes (the "delta" metric)
@@ -92,7 +68,8 @@ def mamba1_delta(mixer, inputs, output):
 
 
 def falcon_mamba_delta(mixer, inputs, output):
-    """As :func:`mamba1_delta`, after Falcon Mamba's RMS norm of the time step (``mixer.dt_layernorm``)."""
+    """As :func:`mamba1_delta`, after the mixer's RMS norm of the time step (``mixer.dt_layernorm``: Falcon Mamba,
+    Jamba)."""
     return _mean_step_size(mixer, mixer.dt_layernorm(output[..., : mixer.time_step_rank]))
 
 
@@ -104,143 +81,11 @@ def mamba2_delta(mixer, inputs, output):
     return dt.clamp(min=low, max=high).mean(-1)
 
 
-# ----------------------------------------------------------------------------- hybrid SSM-attention layers
-
-#: a layer's kind, from the names transformers' hybrid configs use in ``layers_block_type``
-_KINDS = {"linear_attention": "ssm", "mamba": "ssm", "full_attention": "attention", "attention": "attention",
-          "mlp": "mlp", "moe": "moe"}
-
-
-def hybrid_layer_kinds(config: Any) -> tuple[str, ...]:
-    """``"ssm"`` / ``"attention"`` / ``"mlp"`` / ``"moe"`` for each layer of a hybrid config."""
-    names = list(config.layers_block_type)
-    unknown = sorted({n for n in names if n not in _KINDS})
-    if unknown:
-        raise ValueError(f"{type(config).__name__}.layers_block_type has layer types {unknown} that token reduction "
-                         f"does not know; known: {', '.join(_KINDS)}")
-    return tuple(_KINDS[n] for n in names)
-
-
-def _rotary_dim(config: Any, head_dim: int) -> int:
-    """Channels of each head the rotary embedding rotates: ``head_dim * partial_rotary_factor`` (Bamba: 0.5), as
-    the even number of channels its inverse frequencies ``arange(0, dim, 2)`` cover."""
-    factor = (getattr(config, "rope_parameters", None) or {}).get(
-        "partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
-    return 2 * len(range(0, int(head_dim * factor), 2))
-
-
-def _attention(config: Any, L: int, B: int, rotary: bool, bias: bool) -> FlopsBreakdown:
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    rotary_dim = _rotary_dim(config, head_dim) if rotary else 0
-    return attention_flops(config.hidden_size, heads, config.num_key_value_heads, head_dim, bias, rotary_dim, L, L, B)
-
-
-def _granite_mamba2(config: Any, L: int, B: int) -> FlopsBreakdown:
-    """The Mamba-2 mixer of Bamba / Granite 4.0 (``mamba_*`` config names)."""
-    d = config.hidden_size
-    return mamba2_mixer_flops(d, int(config.mamba_expand * d), config.mamba_n_heads, config.mamba_d_head,
-                              config.mamba_n_groups, config.mamba_d_state, config.mamba_d_conv,
-                              config.mamba_chunk_size, config.mamba_proj_bias, config.mamba_conv_bias, L, B)
-
-
-def bamba_layer_flops(config: Any, L: int, B: int, layer: int) -> FlopsBreakdown:
-    """A Bamba decoder layer: Mamba-2 mixer or rotary attention, then a gated MLP; two pre-norms and residuals."""
-    d, tokens = config.hidden_size, B * L
-    ssm = hybrid_layer_kinds(config)[layer] == "ssm"
-    mixer = _granite_mamba2(config, L, B) if ssm else _attention(config, L, B, True, config.attention_bias)
-    ffn = mlp_flops(d, config.intermediate_size, True, config.mlp_bias, tokens)
-    return mixer + ffn + _pre_norm_residual(d, tokens) + _pre_norm_residual(d, tokens)
-
-
-def granite_hybrid_layer_flops(config: Any, L: int, B: int, layer: int) -> FlopsBreakdown:
-    """A Granite 4.0 layer: Mamba-2 mixer or attention (rotary or none), then the shared MLP plus a top-k MoE;
-    each residual branch scaled by ``residual_multiplier``."""
-    d, tokens = config.hidden_size, B * L
-    ssm = hybrid_layer_kinds(config)[layer] == "ssm"
-    rotary = config.position_embedding_type == "rope"
-    mixer = _granite_mamba2(config, L, B) if ssm else _attention(config, L, B, rotary, config.attention_bias)
-    ffn = mlp_flops(d, config.shared_intermediate_size, True, False, tokens)
-    if config.num_local_experts > 0:
-        ffn = ffn + moe_flops(d, config.intermediate_size, config.num_local_experts, config.num_experts_per_tok,
-                              True, tokens) + FlopsBreakdown(0, 0, 0, 0, 0, mlp=tokens * d, elementwise=tokens * d)
-    return mixer + ffn + _pre_norm_residual(d, tokens, True) + _pre_norm_residual(d, tokens, True)
-
-
-def nemotron_h_layer_flops(config: Any, L: int, B: int, layer: int) -> FlopsBreakdown:
-    """A Nemotron-H block: one pre-norm, one mixer (Mamba-2, attention without positions, ReLU^2 MLP or MoE with a
-    shared expert), one residual add."""
-    d, tokens = config.hidden_size, B * L
-    kind = hybrid_layer_kinds(config)[layer]
-    if kind == "ssm":
-        H, P = config.mamba_num_heads, config.mamba_head_dim
-        mixer = mamba2_mixer_flops(d, H * P, H, P, config.n_groups, config.ssm_state_size, config.conv_kernel,
-                                   config.chunk_size, config.use_bias, config.use_conv_bias, L, B)
-    elif kind == "attention":
-        mixer = _attention(config, L, B, False, False)
-    elif kind == "mlp":
-        mixer = mlp_flops(d, config.intermediate_size, False, config.mlp_bias, tokens)
-    else:
-        latent = config.moe_latent_size
-        mixer = (moe_flops(latent or d, config.moe_intermediate_size, config.n_routed_experts,
-                           config.num_experts_per_tok, False, tokens)
-                 + mlp_flops(d, config.moe_shared_expert_intermediate_size, False, config.mlp_bias, tokens)
-                 + FlopsBreakdown(0, 0, 0, 0, 0, mlp=tokens * d, elementwise=tokens * d))  # experts + shared
-        if latent:  # the router reads d, not the latent width; the latent projections in and out (+ biases)
-            bias = tokens * (latent + d) if config.mlp_bias else 0
-            mixer = mixer + FlopsBreakdown(0, 0, 0, 0, 0, mlp=2 * tokens * config.n_routed_experts * (d - latent)
-                                           + 2 * 2 * tokens * d * latent + bias, elementwise=bias)
-    return mixer + _pre_norm_residual(d, tokens)
-
-
-def bamba_feed_forward(block: Any, x: Any) -> Any:
-    """What a Bamba layer does after ``x = residual + mixer(norm(residual))``."""
-    return x + block.feed_forward(block.pre_ff_layernorm(x))
-
-
-def granite_hybrid_feed_forward(block: Any, x: Any) -> Any:
-    """What a Granite 4.0 layer does after its scaled mixer residual: shared MLP (+ MoE), scaled, added."""
-    y = block.post_attention_layernorm(x)
-    out = block.shared_mlp(y)
-    if block.block_sparse_moe is not None:
-        out = block.block_sparse_moe(y) + out
-    return x + out * block.residual_multiplier
-
-
-def _hybrid_pattern(layers: int) -> list[str]:
-    """A random hybrid's layers: attention at every fourth layer from the third (``M M A M M M A M ...``)."""
-    return ["full_attention" if i % 4 == 2 else "linear_attention" for i in range(layers)]
-
-
-def _granite_random(d: int, tiny: bool) -> dict:
-    heads = 4 if tiny else d // 64
-    return dict(num_attention_heads=heads, num_key_value_heads=max(heads // 4, 1), intermediate_size=d // 2,
-                shared_intermediate_size=d, mamba_n_heads=2 * d // 16 if tiny else 2 * d // 64,
-                mamba_d_head=16 if tiny else 64, mamba_d_state=16 if tiny else 128, mamba_n_groups=1,
-                mamba_chunk_size=32 if tiny else 256, position_embedding_type="rope", num_local_experts=4 if tiny else 32,
-                num_experts_per_tok=2 if tiny else 8)
-
-
-def _bamba_random(d: int, tiny: bool) -> dict:
-    heads = 4 if tiny else d // 64
-    return dict(num_attention_heads=heads, num_key_value_heads=max(heads // 4, 1), intermediate_size=2 * d,
-                mamba_n_heads=2 * d // 16 if tiny else 2 * d // 64, mamba_d_head=16 if tiny else 64,
-                mamba_d_state=16 if tiny else 128, mamba_n_groups=1, mamba_chunk_size=32 if tiny else 256)
-
-
-def _nemotron_h_random(d: int, tiny: bool) -> dict:
-    heads = 4 if tiny else d // 128
-    return dict(num_attention_heads=heads, num_key_value_heads=max(heads // 4, 1), head_dim=d // heads,
-                mamba_num_heads=2 * d // 16 if tiny else 2 * d // 64, mamba_head_dim=16 if tiny else 64,
-                ssm_state_size=16 if tiny else 128, n_groups=1, chunk_size=32 if tiny else 256,
-                intermediate_size=2 * d, n_routed_experts=4 if tiny else 64, num_experts_per_tok=2 if tiny else 6,
-                moe_intermediate_size=d // 2, moe_shared_expert_intermediate_size=d)
-
-
-def _nemotron_h_pattern(layers: int) -> list[str]:
-    """Nemotron-H's layers alternate a mixer and a feed-forward: ``M E M E A E M E ...``."""
-    mixers = _hybrid_pattern((layers + 1) // 2)
-    return [mixers[i // 2] if i % 2 == 0 else "moe" for i in range(layers)]
+def falcon_h1_delta(mixer, inputs, output):
+    """As :func:`mamba2_delta`, after Falcon-H1's μP scaling of ``in_proj``'s output (``mixer.mup_vector``, whose
+    last ``num_heads`` entries scale ``dt``)."""
+    heads = mixer.num_heads
+    return mamba2_delta(mixer, inputs, output[..., -heads:] * mixer.mup_vector[..., -heads:])
 
 
 # ----------------------------------------------------------------------------- the table
@@ -279,12 +124,27 @@ class Family:
     layer_kinds: Callable[[Any], tuple[str, ...]] | None = None
     #: hybrids: what an SSM layer does after ``residual + mixer(norm(x))`` (its feed-forward half), or ``None``
     feed_forward: Callable[[Any, Any], Any] | None = None
-    #: config attributes that multiply the embeddings / divide the logits, block attribute scaling the mixer output
+    #: config attributes that multiply the embeddings / divide or multiply the logits, block attribute scaling the
+    #: mixer output; ``multiplier_on_lookup_only``: the embedding multiplier scales looked-up embeddings only, not
+    #: ``inputs_embeds`` a caller passes (Falcon-H1)
     embedding_multiplier: str = ""
     logits_divisor: str = ""
+    logits_multiplier: str = ""
     residual_multiplier: str = ""
-    #: hybrids: ``layers_block_type`` of a random model with this many layers
-    random_layers: Callable[[int], dict] = lambda layers: {}
+    multiplier_on_lookup_only: bool = False
+    #: hybrids: the keywords a decoder layer with attention takes the causal mask and (a layer that also runs an SSM
+    #: mixer: Falcon-H1, Zamba2) the SSM's padding mask by
+    causal_mask_arg: str = "attention_mask"
+    ssm_mask_arg: str = ""
+    #: Falcon-H1: what a layer adds beside its SSM mixer, ``parallel_branch(block, normed, attend)`` with
+    #: ``attend(module, x)`` running an attention module on the layer's columns; the plan is made from the SSM
+    #: mixer's output alone unless ``plan_from_sum`` (the sum of both branches: the measured alternative)
+    parallel_branch: Callable[..., Any] | None = None
+    plan_from_sum: bool = False
+    #: Zamba2: the shared attention block reads the original embeddings (reduced with every plan)
+    shared_attention_reads_embeddings: bool = False
+    #: hybrids: ``layers_block_type`` of a random model with this many layers (tiny or not)
+    random_layers: Callable[[int, bool], dict] = lambda layers, tiny: {}
     #: the backbone's forward resolves ``use_cache`` with transformers' ``merge_with_config_defaults`` (the hybrids:
     #: the config's value, off under gradient checkpointing while training); otherwise as the pure Mamba models do
     #: (the config's value in eval mode, off while training unless passed, off under gradient checkpointing)
@@ -298,6 +158,10 @@ class Family:
         """Each layer's kind (``"ssm"`` everywhere for pure SSM families)."""
         return self.layer_kinds(config) if self.hybrid else ("ssm",) * config.num_hidden_layers
 
+    def anchor_layers(self, config: Any) -> list[int]:
+        """The layers that may be anchors: those whose SSM mixer's output a plan can be made from."""
+        return [i for i, kind in enumerate(self.kinds(config)) if kind in ANCHOR_KINDS]
+
     def block_flops(self, config: Any, L: int, B: int, layer: int) -> FlopsBreakdown:
         """FLOPs of block ``layer`` on ``B x L`` tokens (a hybrid's blocks differ by kind)."""
         return self.layer_flops(config, L, B, layer) if self.hybrid else self.layer_flops(config, L, B)
@@ -310,6 +174,10 @@ def _mamba2_random(d: int, tiny: bool) -> dict:
 
 
 _MAMBA1_FAST = ("mamba_selective_scan", "causal_conv1d_fn")
+#: where most hybrids keep their parts (transformers' ``*Model`` with ``embed_tokens``, decoder layers with an
+#: ``input_layernorm`` and a ``mamba`` mixer), and their ``use_cache`` rule
+_HYBRID_PARTS = dict(backbone_attr="model", embeddings_attr="embed_tokens", norm_attr="input_layernorm",
+                     mixer_attr="mamba", merged_use_cache=True)
 
 FAMILIES: dict[str, Family] = {
     "mamba": Family(
@@ -345,32 +213,66 @@ FAMILIES: dict[str, Family] = {
         model_type="bamba", name="Bamba", lm_class="BambaForCausalLM", backbone_class="BambaModel",
         config_class="BambaConfig", modeling_module="transformers.models.bamba.modeling_bamba",
         mixer_takes_kwargs=True, layer_flops=bamba_layer_flops, delta_source="in_proj", delta=mamba2_delta,
-        sizes={"tiny": (64, 8), "1b": (2048, 24)}, random_kwargs=_bamba_random,
-        backbone_attr="model", embeddings_attr="embed_tokens", final_norm_attr="final_layernorm",
-        norm_attr="input_layernorm", mixer_attr="mamba", layer_kinds=hybrid_layer_kinds,
-        feed_forward=bamba_feed_forward, merged_use_cache=True,
-        random_layers=lambda n: {"attn_layer_indices": [i for i, t in enumerate(_hybrid_pattern(n)) if t != "linear_attention"]},
+        sizes={"tiny": (64, 8), "1b": (2048, 24)}, random_kwargs=bamba_random, **_HYBRID_PARTS,
+        final_norm_attr="final_layernorm", layer_kinds=hybrid_layer_kinds, feed_forward=bamba_feed_forward,
+        random_layers=lambda n, tiny: {"attn_layer_indices": [i for i, t in enumerate(hybrid_pattern(n)) if t != "linear_attention"]},
     ),
     "granitemoehybrid": Family(
         model_type="granitemoehybrid", name="Granite 4.0 (MoE hybrid)", lm_class="GraniteMoeHybridForCausalLM",
         backbone_class="GraniteMoeHybridModel", config_class="GraniteMoeHybridConfig",
         modeling_module="transformers.models.granitemoehybrid.modeling_granitemoehybrid", mixer_takes_kwargs=True,
         layer_flops=granite_hybrid_layer_flops, delta_source="in_proj", delta=mamba2_delta,
-        sizes={"tiny": (64, 8)}, random_kwargs=_granite_random,
-        backbone_attr="model", embeddings_attr="embed_tokens", final_norm_attr="norm",
-        norm_attr="input_layernorm", mixer_attr="mamba", layer_kinds=hybrid_layer_kinds,
-        feed_forward=granite_hybrid_feed_forward, embedding_multiplier="embedding_multiplier",
-        logits_divisor="logits_scaling", residual_multiplier="residual_multiplier", merged_use_cache=True,
-        random_layers=lambda n: {"layer_types": _hybrid_pattern(n)},
+        sizes={"tiny": (64, 8)}, random_kwargs=granite_random, **_HYBRID_PARTS, final_norm_attr="norm",
+        layer_kinds=hybrid_layer_kinds, feed_forward=granite_hybrid_feed_forward,
+        embedding_multiplier="embedding_multiplier", logits_divisor="logits_scaling",
+        residual_multiplier="residual_multiplier",
+        random_layers=lambda n, tiny: {"layer_types": hybrid_pattern(n)},
     ),
     "nemotron_h": Family(
         model_type="nemotron_h", name="Nemotron-H", lm_class="NemotronHForCausalLM",
         backbone_class="NemotronHModel", config_class="NemotronHConfig",
         modeling_module="transformers.models.nemotron_h.modeling_nemotron_h", mixer_takes_kwargs=True,
         layer_flops=nemotron_h_layer_flops, delta_source="in_proj", delta=mamba2_delta,
-        sizes={"tiny": (64, 8)}, random_kwargs=_nemotron_h_random,
+        sizes={"tiny": (64, 8)}, random_kwargs=nemotron_h_random,
         backbone_attr="model", layer_kinds=hybrid_layer_kinds, merged_use_cache=True,
-        random_layers=lambda n: {"layers_block_type": _nemotron_h_pattern(n)},
+        random_layers=lambda n, tiny: {"layers_block_type": nemotron_h_pattern(n)},
+    ),
+    # Mamba-1 mixers (RMS norms with weights on dt, B, C) among attention layers without positions
+    # (attn_layer_period / offset), MLP or MoE halves (expert_layer_period / offset).  "1b": a ~1.1 B-parameter
+    # shape with Jamba's own layout (attention 1 in 8, MoE 1 in 2, 4 experts), not a specific checkpoint
+    "jamba": Family(
+        model_type="jamba", name="Jamba", lm_class="JambaForCausalLM", backbone_class="JambaModel",
+        config_class="JambaConfig", modeling_module="transformers.models.jamba.modeling_jamba",
+        mixer_takes_kwargs=False, layer_flops=jamba_layer_flops, delta_source="x_proj", delta=falcon_mamba_delta,
+        sizes={"tiny": (64, 8), "1b": (2048, 16)}, random_kwargs=jamba_random, fast_functions=_MAMBA1_FAST,
+        **_HYBRID_PARTS, final_norm_attr="final_layernorm", layer_kinds=hybrid_layer_kinds,
+        feed_forward=bamba_feed_forward,
+    ),
+    # every layer: Mamba-2 and rotary attention side by side on one normalised input, μP multipliers on both
+    # branches, the embeddings and the logits; a gated-MLP half.  "1b": a ~1.1 B-parameter shape (hidden 1536,
+    # 24 layers), not a specific checkpoint
+    "falcon_h1": Family(
+        model_type="falcon_h1", name="Falcon-H1", lm_class="FalconH1ForCausalLM", backbone_class="FalconH1Model",
+        config_class="FalconH1Config", modeling_module="transformers.models.falcon_h1.modeling_falcon_h1",
+        mixer_takes_kwargs=True, layer_flops=falcon_h1_layer_flops, delta_source="in_proj", delta=falcon_h1_delta,
+        sizes={"tiny": (64, 4), "1b": (1536, 24)}, random_kwargs=falcon_h1_random, **_HYBRID_PARTS,
+        final_norm_attr="final_layernorm", layer_kinds=parallel_layer_kinds, feed_forward=bamba_feed_forward,
+        embedding_multiplier="embedding_multiplier", multiplier_on_lookup_only=True,
+        logits_multiplier="lm_head_multiplier", residual_multiplier="ssm_out_multiplier",
+        ssm_mask_arg="mamba_attention_mask", parallel_branch=falcon_h1_attention_branch,
+    ),
+    # Mamba-2 layers; at the "hybrid" layers a shared attention block (weights shared by every use, per-use
+    # adapters) reads [hidden states, original embeddings] and its output joins the Mamba-2 layer's input.  Anchors
+    # sit on the plain Mamba-2 layers.  "1b": Zamba2-1.2B's shape (hidden 2048, 38 layers, the shared block at every
+    # sixth), random weights
+    "zamba2": Family(
+        model_type="zamba2", name="Zamba2", lm_class="Zamba2ForCausalLM", backbone_class="Zamba2Model",
+        config_class="Zamba2Config", modeling_module="transformers.models.zamba2.modeling_zamba2",
+        mixer_takes_kwargs=True, layer_flops=zamba2_layer_flops, delta_source="in_proj", delta=mamba2_delta,
+        sizes={"tiny": (64, 8), "1b": (2048, 38)}, random_kwargs=zamba2_random, **_HYBRID_PARTS,
+        final_norm_attr="final_layernorm", layer_kinds=zamba2_layer_kinds, causal_mask_arg="causal_mask",
+        ssm_mask_arg="attention_mask", shared_attention_reads_embeddings=True,
+        random_layers=lambda n, tiny: {"layers_block_type": zamba2_pattern(n, tiny)},
     ),
 }
 

@@ -175,7 +175,8 @@ def lm_forward(original):
         backbone = getattr(self, family.backbone_attr)
         r = reduced_backbone(backbone, *settings, **{k: p.get(k) for k in _BACKBONE_KEYS})
         divisor = getattr(self.config, family.logits_divisor) if family.logits_divisor else 1.0
-        head = lambda h: self.lm_head(h.to(self.lm_head.weight.dtype)).float() / divisor  # noqa: E731
+        times = getattr(self.config, family.logits_multiplier) if family.logits_multiplier else 1.0
+        head = lambda h: (self.lm_head(h.to(self.lm_head.weight.dtype)) * times).float() / divisor  # noqa: E731
         every = head(r.hidden) if labels is not None or not isinstance(logits_to_keep, int) else None
         logits = _logits(head, r, every, N, logits_to_keep, compact)
         loss = reduced_loss(self, every, labels, r.positions, loss_kwargs) if labels is not None else None

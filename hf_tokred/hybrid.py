@@ -5,7 +5,8 @@ After an anchor, attention layers see the reduced sequence: each kept token keep
 mask runs over the reduced columns (their order is the original order), and padding columns (left padding, and the
 slots a plan leaves when rows keep different numbers of tokens) are masked out.  The KV cache then holds the
 reduced keys/values; the cache also records, per attention layer, which of its cached columns are real, so a
-decode step masks the same columns a fresh forward over prompt + generated tokens would.
+decode step masks the same columns a fresh forward over prompt + generated tokens would.  Zamba2's shared attention
+block also reads the original embeddings: they follow every plan as the residual stream does.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import inspect
 import torch
 
 from .compat import layer_cache_kwargs
-from .reduce import Plan, reduce_along
+from .reduce import Plan, apply_plan, reduce_along
 
 __all__ = ["AttentionLayers", "causal_mask", "check_attention_implementation", "default_positions", "note_seen"]
 
@@ -87,21 +88,29 @@ def _accepted(block) -> frozenset:
 
 class AttentionLayers:
     """State the attention layers of one forward share: the original positions of the current columns (shrinking at
-    every anchor), their rotary embeddings (computed once per length), and the cache's real-column record."""
+    every anchor), their rotary embeddings (computed once per length), the cache's real-column record, and (Zamba2,
+    whose shared attention block reads them) the original embeddings of the current columns, which follow every
+    plan as the hidden states do."""
 
-    def __init__(self, backbone, cache, positions: torch.Tensor, use_cache: bool, fresh: bool) -> None:
+    def __init__(self, backbone, family, cache, positions: torch.Tensor, use_cache: bool, fresh: bool,
+                 embeddings: torch.Tensor | None = None) -> None:
         if fresh and cache is not None:  # a cache object used again from the start: forget its old record
             cache.__dict__.pop(_KV_REAL, None)
         self.impl = backbone.config._attn_implementation or "eager"
         self.rotary = getattr(backbone, "rotary_emb", None)
-        self.cache, self.use_cache = cache, use_cache
+        self.family, self.cache, self.use_cache = family, cache, use_cache
         self.positions = positions
-        self._embeddings = None
+        self.embeddings = embeddings
+        self._rotary_embeddings = None
 
-    def shrink(self, plan: Plan) -> None:
-        """Follow an anchor's plan: kept tokens keep their positions (padding slots get 0)."""
+    def shrink(self, plan: Plan, strategy: str, q: float) -> None:
+        """Follow an anchor's plan: kept tokens keep their positions (padding slots get 0); the original embeddings
+        are reduced with the ``strategy`` the plan applies to the residual stream (``prune`` for a plan that prunes
+        its anchor's input)."""
         self.positions = reduce_along(self.positions, plan, 0)
-        self._embeddings = None
+        if self.embeddings is not None:
+            self.embeddings = apply_plan(self.embeddings, plan, strategy, q)
+        self._rotary_embeddings = None
 
     def _kv_real(self, layer: int, real: torch.Tensor) -> torch.Tensor:
         if self.cache is None:
@@ -114,12 +123,32 @@ class AttentionLayers:
         store[layer] = torch.cat([past, real], 1)
         return store[layer]
 
-    def __call__(self, block, layer: int, hidden: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
-        if self._embeddings is None and self.rotary is not None:
-            self._embeddings = self.rotary(hidden, self.positions)
+    def _inputs(self, layer: int, hidden: torch.Tensor, real: torch.Tensor, mask_arg: str) -> dict:
+        """What a layer (or attention module) may take: the mask over the reduced columns (under ``mask_arg``), the
+        original positions and their rotary embeddings, ``use_cache``, the layer's index and the original
+        embeddings (Zamba2's shared block)."""
+        if self._rotary_embeddings is None and self.rotary is not None:
+            self._rotary_embeddings = self.rotary(hidden, self.positions)
         mask = causal_mask(self.impl, real, self._kv_real(layer, real), hidden.dtype)
-        offered = {"attention_mask": mask, "position_ids": self.positions, "position_embeddings": self._embeddings,
-                   "use_cache": self.use_cache}
-        accepted = _accepted(block)
-        out = block(hidden, **layer_cache_kwargs(self.cache), **{k: v for k, v in offered.items() if k in accepted})
-        return out[0] if isinstance(out, tuple) else out
+        return {mask_arg: mask, "position_ids": self.positions, "position_embeddings": self._rotary_embeddings,
+                "use_cache": self.use_cache, "layer_idx": layer, "original_hidden_states": self.embeddings}
+
+    def __call__(self, block, layer: int, hidden: torch.Tensor, real: torch.Tensor, ssm_mask=None) -> torch.Tensor:
+        """Decoder layer ``layer`` on the current columns; a layer that also runs an SSM mixer (Falcon-H1, Zamba2)
+        gets its mask too, under the family's name for it."""
+        offered = self._inputs(layer, hidden, real, self.family.causal_mask_arg)
+        if self.family.ssm_mask_arg:
+            offered[self.family.ssm_mask_arg] = ssm_mask
+        return _called(block, hidden, self.cache, offered)
+
+    def attend(self, module, x: torch.Tensor, layer: int, real: torch.Tensor) -> torch.Tensor:
+        """transformers' attention ``module`` of layer ``layer`` (called by an anchor that splits its layer) on
+        ``x``."""
+        return _called(module, x, self.cache, self._inputs(layer, x, real, "attention_mask"))
+
+
+def _called(module, x: torch.Tensor, cache, offered: dict) -> torch.Tensor:
+    """``module(x, cache, ...)`` with the ``offered`` keywords its forward takes; its first output."""
+    accepted = _accepted(module)
+    out = module(x, **layer_cache_kwargs(cache), **{k: v for k, v in offered.items() if k in accepted})
+    return out[0] if isinstance(out, tuple) else out

@@ -1,8 +1,9 @@
 """The reducing layer loop, shared by every family: blocks run one by one, anchors shrink the sequence between them.
 
 At an anchor the block is split into its two branches (``residual`` and ``h = mixer(norm(x))``); a plan is made
-once from ``h`` and applied to both before they are added.  The attention mask, the protected positions and the
-map to input positions shrink with the sequence.  Inside ``generate()`` only the prompt is reduced: a no-cache
+once from ``h`` and applied to both before they are added (Falcon-H1: ``h`` also holds the attention that runs beside
+the mixer on the same normalised input; the plan is made from the SSM mixer's part).  The attention mask, the
+protected positions and the map to input positions shrink with the sequence.  Inside ``generate()`` only the prompt is reduced: a no-cache
 step re-runs prompt + generated tokens, and the generated tokens are kept as they are, so ``use_cache`` changes
 speed only.
 """
@@ -12,25 +13,23 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-import logging
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from transformers.cache_utils import DynamicCache
 
 from .compat import cache_kwargs, layer_cache_kwargs, merged_use_cache, recurrent_mask
 from .config import ResolvedSchedule, TokenReductionConfig
 from .families import family_of
+from .hybrid_layers import ATTENTION_KINDS
 from .hybrid import AttentionLayers, check_attention_implementation, default_positions, note_seen
 from .ops import fused_apply_plan
 from .outputs import ReductionRecord, current_recorder
-from .reduce import Plan, apply_plan_pair, extend_plan, make_plan, merge_weights, reduce_along
+from .reduce import Plan, apply_plan_pair, extend_plan, make_plan, merge_weights
+from .tokens import Tokens, start_tokens, warn_over_budget
 
 __all__ = ["Reduced", "check_shapes", "generation_prompt", "reduced_backbone"]
-
-logger = logging.getLogger("hf_tokred")
 
 
 @dataclass(frozen=True)
@@ -74,15 +73,6 @@ def check_shapes(B: int, N: int, labels, attention_mask) -> None:
                                        or attention_mask.shape[1] < N):
         raise ValueError(f"attention_mask must have shape (batch, length) = {(B, N)} for input of that shape; got "
                          f"{tuple(attention_mask.shape)}")
-
-
-def _protected_for(mask: torch.Tensor, B: int, prefix: int, N: int) -> torch.Tensor:
-    """A caller's ``protected_mask [b, prefix]`` as ``[B, N]`` bool: rows repeated when generate expanded the batch
-    (beams, ``num_return_sequences``), columns after the prompt False."""
-    if mask.dim() != 2 or mask.shape[1] != prefix or mask.shape[0] == 0 or B % mask.shape[0]:
-        raise ValueError(f"protected_mask must have shape (batch, sequence) = {(B, prefix)}, got {tuple(mask.shape)}")
-    mask = mask.to(torch.bool).repeat_interleave(B // mask.shape[0], dim=0)
-    return F.pad(mask, (0, N - prefix), value=False)
 
 
 def _mamba_use_cache(backbone, use_cache: bool | None) -> bool:
@@ -144,42 +134,47 @@ def _step_sizes(mixer, family, wanted: bool):
         handle.remove()
 
 
-def _plan_at(block, family, hidden, cache, layer_mask, tokens: "_Tokens", cfg, removal, mixer_kwargs, timer,
-             mixer_timed: str | None = None):
+def _plan_at(block, family, hidden, cache, layer_mask, tokens: Tokens, cfg, removal, mixer_kwargs, timer,
+             mixer_timed: str | None = None, branch=None):
     """An anchor block's two branches (``residual``, ``h = mixer(norm(x))``) and the plan made from ``h``.
 
     Only the first ``prefix`` columns (the prompt, when a no-cache ``generate`` re-runs prompt + generated tokens)
     are planned over; the columns after them are kept as they are, exactly as with a cache.  ``mixer_timed``: the
-    record field the mixer's time goes to (the scoring pass of a method that re-runs its anchor).
+    record field the mixer's time goes to (the scoring pass of a method that re-runs its anchor).  ``branch``: what a
+    layer with attention beside its mixer (Falcon-H1) adds to ``h`` from the same normalised input; the plan is
+    made from the SSM mixer's output alone (``family.plan_from_sum``: from the sum of both branches).
     """
     norm, mixer = getattr(block, family.norm_attr), getattr(block, family.mixer_attr)
     residual = hidden
-    h = norm(hidden.to(dtype=norm.weight.dtype))
+    normed = norm(hidden.to(dtype=norm.weight.dtype))
     if getattr(block, "residual_in_fp32", False):
         residual = residual.to(torch.float32)
     metric = cfg.importance_metric
     timed = timer(mixer_timed) if mixer_timed else contextlib.nullcontext()
     with timed, _step_sizes(mixer, family, metric == "delta") as delta:
-        h = mixer(h, **cache_kwargs(cache), attention_mask=layer_mask, **mixer_kwargs)
+        h = mixer(normed, **cache_kwargs(cache), attention_mask=layer_mask, **mixer_kwargs)
     if family.residual_multiplier:
         h = h * getattr(block, family.residual_multiplier)
+    both = h if branch is None else h + branch(normed)
+    source = both if family.plan_from_sum else h
     prefix = tokens.prefix
     with torch.no_grad(), timer("plan"):
         spec = cfg.spec
         scores = None if delta is None else delta.get()[:, :prefix]
         frozen = None if tokens.frozen is None else tokens.frozen[:, :prefix]
-        plan = make_plan(h[:, :prefix].detach(), tokens.real[:, :prefix], tokens.protected[:, :prefix], None,
+        plan = make_plan(source[:, :prefix].detach(), tokens.real[:, :prefix], tokens.protected[:, :prefix], None,
                          spec.selection, metric, spec.pairs, scores, spec.protected_receive, removal, frozen,
                          cfg.match_window)
         if plan is not None:  # the columns after the prompt are kept (none without them: the same plan)
             plan = extend_plan(plan, prefix, h.shape[1])
-    return residual, h, plan
+    return residual, both, plan
 
 
-def _anchor_block(block, family, hidden, cache, layer_mask, tokens, cfg, removal, mixer_kwargs, timer):
+def _anchor_block(block, family, hidden, cache, layer_mask, tokens, cfg, removal, mixer_kwargs, timer, branch=None):
     """One anchor block, split into its two branches so each can be reduced before they are added; a hybrid
     layer's feed-forward half then runs on the reduced sequence (it is per token)."""
-    residual, h, plan = _plan_at(block, family, hidden, cache, layer_mask, tokens, cfg, removal, mixer_kwargs, timer)
+    residual, h, plan = _plan_at(block, family, hidden, cache, layer_mask, tokens, cfg, removal, mixer_kwargs, timer,
+                                 branch=branch)
     if plan is None:
         out = residual + h
     else:
@@ -207,111 +202,55 @@ def _output(out):
     return out[0] if isinstance(out, tuple) else out
 
 
-def _initial_protection(real: torch.Tensor, prefix: int, extra_masks, recent: float) -> torch.Tensor:
-    """The last real token of every row (of the prompt) always survives (next-token logits and the decode cache
-    need it), so do the ``recent`` share of each row's most recent prompt tokens, plus the callers' protected
-    positions."""
-    B, N = real.shape
-    ar = torch.arange(N, device=real.device)
-    in_prompt = real & (ar < prefix)
-    last = torch.where(in_prompt, ar, -1).max(1).values
-    protected = real & (ar[None, :] == last[:, None])
-    if recent > 0:
-        from_end = in_prompt.flip(1).cumsum(1).flip(1)  # 1 for the last prompt token, 2 for the one before, ...
-        protected |= in_prompt & (from_end <= torch.ceil(in_prompt.sum(1, keepdim=True) * recent))
-    for extra in extra_masks:
-        if extra is not None:
-            protected |= _protected_for(extra, B, prefix, N).to(real.device) & real
-    return protected
-
-
 def _embed(backbone, family, input_ids, inputs_embeds):
     if (input_ids is None) ^ (inputs_embeds is not None):
         raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
-    if inputs_embeds is None:
+    looked_up = inputs_embeds is None
+    if looked_up:
         inputs_embeds = getattr(backbone, family.embeddings_attr)(input_ids)
-    if family.embedding_multiplier:
+    if family.embedding_multiplier and (looked_up or not family.multiplier_on_lookup_only):
         inputs_embeds = inputs_embeds * getattr(backbone.config, family.embedding_multiplier)
     return inputs_embeds
 
 
-@dataclass
-class _Tokens:
-    """What the loop carries per column while the sequence shrinks: which columns are real tokens, protected,
-    frozen (the question), their input positions, and how many leading columns are the prompt."""
-
-    real: torch.Tensor
-    protected: torch.Tensor | None
-    frozen: torch.Tensor | None
-    positions: torch.Tensor
-    prefix: int
-
-    def shrink(self, plan: Plan) -> None:
-        self.prefix = plan.keep.shape[1] - (self.real.shape[1] - self.prefix)  # the suffix columns are all kept
-        self.real = reduce_along(self.real, plan, False)
-        self.protected = reduce_along(self.protected, plan, False)
-        self.frozen = None if self.frozen is None else reduce_along(self.frozen, plan, False)
-        self.positions = reduce_along(self.positions, plan, -1)
-
-    def prompt_lengths(self) -> list[int]:
-        return self.real[:, : self.prefix].sum(1).tolist()
-
-
-def _start_tokens(B, N, device, attention_mask, prompt, reducing, cfg, schedule, protected_mask,
-                  question_length) -> _Tokens:
-    """The columns' state before block 0: real tokens, and for a reducing forward the protected and frozen ones
-    (the question; from ``generate``'s prompt when not given), checked against the budget."""
-    real = (torch.ones(B, N, dtype=torch.bool, device=device) if attention_mask is None
-            else attention_mask[:, -N:].to(device=device, dtype=torch.bool))
-    t = _Tokens(real, None, None, torch.arange(N, device=device).expand(B, N), min(prompt.length, N))
-    question_length = question_length if question_length is not None else prompt.question_length
-    if reducing:
-        t.frozen = None if question_length is None else _question_mask(question_length, real, t.prefix)
-        t.protected = _initial_protection(real, t.prefix, (protected_mask, prompt.protected_mask), cfg.protect_recent)
-        if t.frozen is not None:
-            t.protected |= t.frozen
-        schedule.check_budget(t.prompt_lengths())
-    return t
-
-
-def _question_mask(question_length, real: torch.Tensor, prefix: int) -> torch.Tensor:
-    """``[B, N]`` bool: the last ``question_length`` real prompt tokens of each row (an int for every row, or one per
-    row; rows repeated when generate expanded the batch)."""
-    B, N = real.shape
-    q = torch.as_tensor(question_length)
-    if q.dtype.is_floating_point or q.dtype == torch.bool or q.is_complex() or q.dim() > 1:
-        raise TypeError(f"question_length must be an int or one int per row, got {question_length!r}")
-    q = q.to(device=real.device, dtype=torch.long).reshape(-1).expand(B) if q.dim() == 0 else q.to(real.device)
-    if q.numel() == 0 or B % q.numel():
-        raise ValueError(f"question_length must be an int or have one entry per row ({B}), got {q.numel()} entries")
-    q = q.repeat_interleave(B // q.numel())
-    in_prompt = real & (torch.arange(N, device=real.device) < prefix)
-    n_prompt = in_prompt.sum(1)
-    if bool((q < 0).any()) or bool((q > n_prompt).any()):
-        raise ValueError(f"question_length {q.tolist()} must be between 0 and each row's real prompt length "
-                         f"{n_prompt.tolist()}: the question is a suffix of the prompt")
-    return in_prompt & (in_prompt.flip(1).cumsum(1).flip(1) <= q[:, None])
-
-
-def _warn_over_budget(schedule: ResolvedSchedule, tokens: _Tokens) -> None:
-    """A budget that protected tokens kept from being met is reported, not silently exceeded."""
-    if schedule.keep_tokens is None:
-        return
-    over = [n for n in tokens.prompt_lengths() if n > schedule.keep_tokens]
-    if over:
-        logger.warning("hf_tokred: keep_tokens=%d was exceeded (%s tokens kept in %d row(s)) because more tokens "
-                       "than that are protected (the last token, the question, protected_mask, protect_recent); "
-                       "protect fewer, or raise keep_tokens", schedule.keep_tokens, max(over), len(over))
-
-
-def _attention_layers(backbone, family, cache, position_ids, use_cache, fresh, B, N, device):
+def _attention_layers(backbone, family, cache, position_ids, use_cache, fresh, inputs_embeds):
     """A hybrid's attention layers inside the loop, at the original positions (``None`` for a pure SSM)."""
     if not family.hybrid:
         return None
     check_attention_implementation(backbone.config)
+    (B, N), device = inputs_embeds.shape[:2], inputs_embeds.device
     original = (default_positions(cache, B, N, fresh, device) if position_ids is None
                 else position_ids.to(device).expand(B, N))
-    return AttentionLayers(backbone, cache, original, use_cache, fresh)
+    embeddings = inputs_embeds.clone() if family.shared_attention_reads_embeddings else None
+    return AttentionLayers(backbone, family, cache, original, use_cache, fresh, embeddings)
+
+
+def _anchor(i, block, family, hidden, t: Tokens, cfg, schedule, anchor_index, attention, cache, **kw):
+    """Block ``i`` as an anchor: the plan, and the hidden states after it (the block's output, or for a method that
+    re-runs its anchor, the block's kept input); the columns' state and the attention layers follow the plan."""
+    removal = functools.partial(schedule.removal, anchor_index=anchor_index)
+    if cfg.spec.rerun:
+        hidden, plan = _prefilter(block, family, hidden, tokens=t, cfg=cfg, removal=removal, **kw)
+    else:
+        branch = None
+        if family.parallel_branch is not None:  # attention beside the mixer, on the unreduced columns
+            attend = functools.partial(attention.attend, layer=i, real=t.real)
+            branch = functools.partial(family.parallel_branch, block, attend=attend)
+        hidden, plan = _anchor_block(block, family, hidden, cache, tokens=t, cfg=cfg, removal=removal,
+                                     branch=branch, **kw)
+    if plan is not None:
+        t.shrink(plan)
+        if attention is not None:
+            attention.shrink(plan, "prune" if plan.rerun else cfg.residual, cfg.q)
+    return hidden, plan
+
+
+def _layer(block, i, kind, hidden, attention, t: Tokens, layer_mask, block_cache, kwargs):
+    """A block that is not an anchor (or the re-run of one) on the current columns."""
+    if kind in ATTENTION_KINDS:
+        return attention(block, i, hidden, t.real, layer_mask)
+    mask = layer_mask if kind == "ssm" else None
+    return _output(block(hidden, **block_cache, attention_mask=mask, **kwargs))
 
 
 def reduced_backbone(backbone, cfg: TokenReductionConfig, schedule: ResolvedSchedule, input_ids=None,
@@ -335,14 +274,14 @@ def reduced_backbone(backbone, cfg: TokenReductionConfig, schedule: ResolvedSche
     check_shapes(B, N, None, attention_mask)
     layer_mask = recurrent_mask(config, inputs_embeds, attention_mask, cache)
     kinds = family.kinds(config)
-    fresh = _is_fresh(cache, kinds.index("ssm") if family.hybrid else None)
+    fresh = _is_fresh(cache, family.anchor_layers(config)[0] if family.hybrid else None)
     reducing = N > 1 and fresh
     prompt = _GENERATION.get() or _Prompt(N, None)
     if reducing and attention_mask is not None and attention_mask.shape[1] != N:
         raise ValueError(f"attention_mask must have shape (batch, length) = {(B, N)} for a forward without a "
                          f"cache; got {tuple(attention_mask.shape)}")
-    t = _start_tokens(B, N, device, attention_mask, prompt, reducing, cfg, schedule, protected_mask, question_length)
-    attention = _attention_layers(backbone, family, cache, position_ids, use_cache, fresh, B, N, device)
+    t = start_tokens(B, N, device, attention_mask, prompt, reducing, cfg, schedule, protected_mask, question_length)
+    attention = _attention_layers(backbone, family, cache, position_ids, use_cache, fresh, inputs_embeds)
     if attention is not None:
         kwargs = {}
     block_cache = layer_cache_kwargs(cache) if family.hybrid else cache_kwargs(cache)
@@ -358,26 +297,17 @@ def reduced_backbone(backbone, cfg: TokenReductionConfig, schedule: ResolvedSche
     for i, (block, kind) in enumerate(zip(backbone.layers, kinds)):
         if record is not None:
             lengths.append(t.real.sum(1))
+        plan = None
         if i in anchors:
-            removal = functools.partial(schedule.removal, anchor_index=anchors[i])
-            step = _prefilter if cfg.spec.rerun else functools.partial(_anchor_block, cache=cache)
-            hidden, plan = step(block, family, hidden, layer_mask=layer_mask, tokens=t, cfg=cfg, removal=removal,
-                                mixer_kwargs=mixer_kwargs, timer=timer)
+            hidden, plan = _anchor(i, block, family, hidden, t, cfg, schedule, anchors[i], attention, cache,
+                                   layer_mask=layer_mask, mixer_kwargs=mixer_kwargs, timer=timer)
             if plan is not None:
                 plans.append((i, plan))
-                t.shrink(plan)
                 layer_mask = None if bool(t.real.all()) else t.real.to(torch.long)
-                if attention is not None:
-                    attention.shrink(plan)
                 if record is not None and plan.rerun:  # the anchor runs again, on the kept tokens
                     lengths[-1] = lengths[-1] + t.real.sum(1)
-        if i in anchors and not cfg.spec.rerun:
-            pass  # the anchor block ran, split into its branches
-        elif kind == "attention":
-            hidden = attention(block, i, hidden, t.real)
-        else:
-            mask = layer_mask if kind == "ssm" else None
-            hidden = _output(block(hidden, **block_cache, attention_mask=mask, **kwargs))
+        if i not in anchors or cfg.spec.rerun:  # else the anchor block ran, split into its branches
+            hidden = _layer(block, i, kind, hidden, attention, t, layer_mask, block_cache, kwargs)
         if output_hidden_states:
             all_hidden += (hidden,)
     hidden = getattr(backbone, family.final_norm_attr)(hidden)
@@ -386,7 +316,7 @@ def reduced_backbone(backbone, cfg: TokenReductionConfig, schedule: ResolvedSche
     if family.hybrid:  # a cache passed with use_cache=False is still written by the layers, as in stock
         note_seen(cache, N, fresh)
     if plans:
-        _warn_over_budget(schedule, t)
+        warn_over_budget(schedule, t)
     if record is not None:
         record.input_lengths = lengths[0].tolist()
         record.layer_lengths = torch.stack(lengths, 1).tolist()

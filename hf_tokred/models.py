@@ -62,7 +62,8 @@ def random_config(name: str):
         raise ValueError(f"unknown random model {name!r}; known: {_random_names()}")
     hidden, layers = family.sizes[size]
     tiny = size == "tiny"
-    kwargs = {"vocab_size": 512 if tiny else 50280, **family.random_kwargs(hidden, tiny), **family.random_layers(layers)}
+    kwargs = {"vocab_size": 512 if tiny else 50280, **family.random_kwargs(hidden, tiny),
+              **family.random_layers(layers, tiny)}
     return AutoConfig.for_model(model_type, hidden_size=hidden, num_hidden_layers=layers, pad_token_id=1,
                                 eos_token_id=0, bos_token_id=0, **kwargs)
 

@@ -47,8 +47,7 @@ def resolve_schedule(cfg: TokenReductionConfig, config: Any) -> ResolvedSchedule
     family = family_of(config)
     if not family.hybrid:
         return cfg.resolve(config.num_hidden_layers)
-    ssm = [i for i, kind in enumerate(family.kinds(config)) if kind == "ssm"]
-    return cfg.resolve(config.num_hidden_layers, ssm, layer_costs(config))
+    return cfg.resolve(config.num_hidden_layers, family.anchor_layers(config), layer_costs(config))
 
 
 def apply_token_reduction(model, token_reduction: TokenReductionConfig | dict | None):

@@ -1,38 +1,66 @@
-"""Hybrid SSM-attention models (issue 14): Bamba (rotary attention), Granite 4.0 MoE hybrid (rotary attention + MoE)
-and Nemotron-H (attention without positions, MoE layers), on tiny random models of each.
+"""Hybrid SSM-attention models (issues 14, 23): Bamba (rotary attention), Granite 4.0 MoE hybrid (rotary attention +
+MoE), Nemotron-H (attention without positions, MoE layers), Jamba (Mamba-1 mixers with dt/B/C norms, attention
+without positions, MoE halves), Falcon-H1 (attention beside Mamba-2 in every layer, μP multipliers) and Zamba2 (a
+shared attention block reading the original embeddings), on tiny random models of each.
 
-References are independent of the reducing loop: stock transformers (reduction off: the wrapped forwards hand over to
-the original code), transformers' own attention module called on the captured reduced input with the original
+References are independent of the reducing loop: stock transformers (``conftest.stock_transformers``: its own forwards
+and kernels, recorded below with hf_tokred uninstalled, so Jamba's reference runs transformers' Mamba-1 loop, not
+hf_tokred's fast kernels), transformers' own attention module called on the captured reduced input with the original
 positions and a plain causal mask, a fresh forward for every decode step, one-at-a-time forwards for padded batches,
-and ``FlopCounterMode`` for the FLOPs.
+and ``FlopCounterMode`` and the dispatched ops for the FLOPs.
 """
 
+import contextlib
 import copy
+import importlib
 import json
 import types
 from collections import Counter
 
 import pytest
 import torch
+import torch.nn.functional as F
 import transformers
 from torch.utils.flop_counter import FlopCounterMode
-from transformers import JambaConfig
+from transformers import ZambaConfig
 
-from hf_tokred import TokenReductionConfig
+import hf_tokred
+from hf_tokred import TokenReductionConfig, fastpath
 from hf_tokred.bench import format_table, run_bench
 from hf_tokred.cli import main
 from hf_tokred.compat import cache_of, layer_cache_kwargs
 from hf_tokred.families import FAMILIES
 from hf_tokred.hybrid import default_positions, note_seen
+from hf_tokred.hybrid_layers import ANCHOR_KINDS, ATTENTION_KINDS
 from hf_tokred.flops import flops_reduction, layer_flops, model_flops
 from hf_tokred.loop import generation_prompt
 from hf_tokred.models import random_config
 from hf_tokred.settings import apply_token_reduction, resolve_schedule
 
+import conftest
+from conftest import STOCK, stock_transformers
 from test_flops import DispatchCount
 
-HYBRIDS = ["bamba", "granitemoehybrid", "nemotron_h"]
+HYBRIDS = ["bamba", "granitemoehybrid", "nemotron_h", "jamba", "falcon_h1", "zamba2"]
 ATOL = 1e-5
+
+
+def _record_stock_hybrids() -> None:
+    """transformers' own modules of the hybrid families, read with hf_tokred uninstalled (the kernels it replaces,
+    the forwards it wraps), so that ``stock_transformers()`` restores them."""
+    hf_tokred.uninstall()
+    try:
+        for name in HYBRIDS:
+            family = FAMILIES[name]
+            module = importlib.import_module(family.modeling_module)
+            STOCK.modules[module] = conftest._module_functions(module)
+            for cls in (getattr(transformers, family.lm_class), getattr(transformers, family.backbone_class)):
+                STOCK.methods[cls] = {k: cls.__dict__.get(k) for k in ("forward", "generate")}
+    finally:
+        hf_tokred.install()
+
+
+_record_stock_hybrids()
 
 
 def hybrid_model(name: str, seed: int = 0, **config_kw):
@@ -48,7 +76,15 @@ def hybrid_model(name: str, seed: int = 0, **config_kw):
 
 
 def ssm_layers(model) -> list[int]:
-    return [i for i, k in enumerate(FAMILIES[model.config.model_type].kinds(model.config)) if k == "ssm"]
+    """The layers an anchor may sit on (an SSM mixer's output to plan from)."""
+    return FAMILIES[model.config.model_type].anchor_layers(model.config)
+
+
+def attention_after_anchors(model) -> list[int]:
+    """The layers that run attention after both of :func:`reduce`'s anchors (on the twice-reduced sequence)."""
+    kinds = FAMILIES[model.config.model_type].kinds(model.config)
+    last = ssm_layers(model)[1]
+    return [i for i, k in enumerate(kinds) if k in ATTENTION_KINDS and i > last]
 
 
 def reduce(model, keep_ratio: float = 0.7):
@@ -61,7 +97,7 @@ def stock(model, fn):
     saved = model.config.token_reduction
     apply_token_reduction(model, None)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), stock_transformers():
             return fn()
     finally:
         model.config.token_reduction = saved
@@ -97,13 +133,14 @@ def test_anchor_on_attention_layer_is_refused():
 
 
 def test_unsupported_hybrid_class_is_refused():
-    jamba = types.SimpleNamespace(config=JambaConfig(num_hidden_layers=4))
-    with pytest.raises(ValueError, match="token reduction supports .*BambaForCausalLM.*model_type='jamba'"):
-        apply_token_reduction(jamba, TokenReductionConfig(keep_ratio=0.8))
+    zamba = types.SimpleNamespace(config=ZambaConfig(num_hidden_layers=4))  # Zamba (v1): not in the families table
+    with pytest.raises(ValueError, match="token reduction supports .*JambaForCausalLM.*model_type='zamba'"):
+        apply_token_reduction(zamba, TokenReductionConfig(keep_ratio=0.8))
 
 
-def test_attention_without_explicit_mask_is_refused():
-    model = reduce(hybrid_model("bamba"))
+@pytest.mark.parametrize("name", ["bamba", "jamba", "falcon_h1", "zamba2"])
+def test_attention_without_explicit_mask_is_refused(name):
+    model = reduce(hybrid_model(name))
     model.config._attn_implementation_internal = "flash_attention_2"
     with pytest.raises(ValueError, match="attn_implementation='flash_attention_2'.*load the model with "
                                          "attn_implementation='sdpa'"):
@@ -156,7 +193,8 @@ def test_keep_ratio_one_equals_stock(model):
 
 
 def _attention_module(block):
-    return getattr(block, "self_attn", None) or block.mixer
+    shared = getattr(block, "shared_transformer", None)  # Zamba2's shared block
+    return shared.self_attn if shared is not None else getattr(block, "self_attn", None) or block.mixer
 
 
 def test_attention_sees_reduced_sequence_at_original_positions(model):
@@ -165,7 +203,7 @@ def test_attention_sees_reduced_sequence_at_original_positions(model):
     gives what it gave inside the reducing loop."""
     reduce(model)
     family = FAMILIES[model.config.model_type]
-    layer = family.kinds(model.config).index("attention")
+    layer = attention_after_anchors(model)[0]
     attn = _attention_module(getattr(model, family.backbone_attr).layers[layer])
     seen = {}
     hook = attn.register_forward_hook(lambda m, args, kwargs, out: seen.update(kwargs=kwargs, out=out[0]),
@@ -185,6 +223,7 @@ def test_attention_sees_reduced_sequence_at_original_positions(model):
         kwargs["position_embeddings"] = rotary(hidden, original)
     M = hidden.shape[1]
     causal = torch.ones(M, M, dtype=torch.bool).tril()[None, None]
+    kwargs.update({k: v for k, v in seen["kwargs"].items() if k == "layer_idx"})  # Zamba2: which use of the block
     with torch.no_grad():
         ref = attn(hidden_states=hidden, attention_mask=causal, **kwargs)[0]
     torch.testing.assert_close(seen["out"], ref, atol=ATOL, rtol=0)
@@ -193,7 +232,7 @@ def test_attention_sees_reduced_sequence_at_original_positions(model):
 def test_cache_holds_reduced_keys_and_decoding_continues_at_the_original_position(model):
     reduce(model)
     family = FAMILIES[model.config.model_type]
-    layers = [i for i, k in enumerate(family.kinds(model.config)) if k == "attention"]
+    layers = attention_after_anchors(model)
     ids = prompt(24)
     with torch.no_grad():
         out = model(ids, use_cache=True)
@@ -264,7 +303,7 @@ def test_flops_match_flop_counter(name):
     model = _eager(name)
     n = model.config.num_hidden_layers
     for L in (12, 40):  # one Mamba-2 chunk, and two
-        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        with torch.no_grad(), stock_transformers(), FlopCounterMode(display=False) as counter:
             model(prompt(L, batch=2))
         assert counter.get_total_flops() == model_flops(model.config, [L] * n, batch=2).matmul, L
 
@@ -276,7 +315,7 @@ def test_attention_flops_at_each_layers_reduced_length(name):
     model = reduce(_eager(name))
     family = FAMILIES[name]
     backbone = family.backbone_attr
-    attention = [i for i, k in enumerate(family.kinds(model.config)) if k == "attention"]
+    attention = attention_after_anchors(model)
     with torch.no_grad(), FlopCounterMode(display=False) as counter:
         out = model(prompt(30), use_cache=False)
     counts = counter.get_flop_counts()
@@ -322,7 +361,7 @@ def test_default_positions_start_at_zero_and_continue_at_the_positions_seen():
     assert torch.equal(default_positions(stock_filled, 1, 2, False, "cpu"), torch.tensor([[17, 18]]))
 
 
-@pytest.mark.parametrize("name", ["bamba", "granitemoehybrid"])
+@pytest.mark.parametrize("name", ["bamba", "granitemoehybrid", "falcon_h1", "zamba2"])
 def test_decoding_on_a_cache_filled_without_reduction_continues_at_its_length(name):
     """A cache filled by stock transformers (reduction off), then a decode step with reduction on and no position
     ids: the new token sits at position 20, the cache's length (rotary attention would see another distance
@@ -368,6 +407,14 @@ class _LayerDispatch(DispatchCount):
         return super().__torch_dispatch__(func, types, args, kwargs)
 
 
+def _mamba1_scan_convention(config, kind: str, L: int, B: int) -> int:
+    """The Mamba-1 scan is counted as ``9 B L D N`` where transformers' loop dispatches ``7 B L D N`` element-wise and
+    matmul FLOPs (``tests/test_flops.py``): the difference, for a Jamba SSM layer (by hand)."""
+    if config.model_type != "jamba" or kind != "ssm":
+        return 0
+    return 2 * B * L * config.mamba_expand * config.hidden_size * config.mamba_d_state
+
+
 def _dispatched_per_layer(model, L: int, B: int) -> list:
     counter = _LayerDispatch()
     layers = getattr(model, FAMILIES[model.config.model_type].backbone_attr).layers
@@ -382,7 +429,7 @@ def _dispatched_per_layer(model, L: int, B: int) -> list:
         hooks.append(layer.register_forward_pre_hook(lambda m, a: snapshots.append(Counter(counter.flops)) and None))
         hooks.append(layer.register_forward_hook(lambda m, a, o: snapshots.append(Counter(counter.flops)) and None))
     try:
-        with torch.no_grad(), counter:
+        with torch.no_grad(), stock_transformers(), counter:
             model(prompt(L, batch=B), use_cache=False)
     finally:
         for h in hooks:
@@ -397,7 +444,16 @@ def _dispatched_per_layer(model, L: int, B: int) -> list:
     ("granitemoehybrid", dict(attention_bias=True, position_embedding_type=None, num_local_experts=0)),
     ("nemotron_h", {}),
     ("nemotron_h", dict(mlp_bias=True, use_bias=True, use_conv_bias=False, moe_latent_size=16)),
-], ids=["bamba", "bamba-biases", "granite", "granite-nope-biases-no-moe", "nemotron_h", "nemotron_h-biases-latent"])
+    ("jamba", {}),
+    ("jamba", dict(mamba_proj_bias=True, mamba_conv_bias=False, num_experts=1)),
+    ("falcon_h1", {}),
+    ("falcon_h1", dict(mamba_rms_norm=True, attention_bias=True, mlp_bias=True, mamba_proj_bias=True,
+                       projectors_bias=True, mamba_conv_bias=False, mamba_n_groups=2)),
+    ("zamba2", {}),
+    ("zamba2", dict(add_bias_linear=True, use_shared_attention_adapter=False, use_mem_rope=False, mamba_ngroups=2)),
+], ids=["bamba", "bamba-biases", "granite", "granite-nope-biases-no-moe", "nemotron_h", "nemotron_h-biases-latent",
+        "jamba", "jamba-biases-no-moe", "falcon_h1", "falcon_h1-gated-norm-biases-groups", "zamba2",
+        "zamba2-biases-no-adapters-nope-groups"])
 @pytest.mark.parametrize("L", [12, 40])  # one Mamba-2 chunk, and two
 def test_every_term_equals_the_dispatched_ops(name, overrides, L):
     """Each layer's analytic count, matmul and element-wise parts, equals what stock transformers' eager forward of
@@ -412,9 +468,10 @@ def test_every_term_equals_the_dispatched_ops(name, overrides, L):
         mm = sum(v for (region, kind), v in got.items() if kind == "mm")
         ew = sum(v for (region, kind), v in got.items() if kind in ("ew", "bias") and region != "free")
         assert got["norm", "eps"] > 0 and mm > 0 and ew > 0
+        ew += _mamba1_scan_convention(model.config, kinds[i], L, B)
         assert (analytic.matmul, analytic.elementwise) == (mm, ew), (i, kinds[i])
     if "attention_bias" in overrides:  # the variant's bias adds are dispatched (so the check above sees them)
-        attention = kinds.index("attention")
+        attention = next(i for i, k in enumerate(kinds) if k in ATTENTION_KINDS)
         assert per_layer[attention]["block", "bias"] > 0
 
 
@@ -427,8 +484,8 @@ def test_schedule_command_prints_layer_types_and_anchor_types(name, capsys):
                  "--json"]) == 0
     row = json.loads(capsys.readouterr().out)
     kinds = list(FAMILIES[name].kinds(random_config(f"{name}-tiny")))
-    assert row["layer_types"] == kinds and "attention" in kinds
-    assert row["anchor_types"] == ["ssm"] * len(row["anchors"]) and row["anchors"]
+    assert row["layer_types"] == kinds and set(kinds) & set(ATTENTION_KINDS)
+    assert set(row["anchor_types"]) <= set(ANCHOR_KINDS) and row["anchors"]
     assert row["flops_reduction_exact_scoring"] == pytest.approx(0.2, abs=0.01)  # the solver weighs the layers
 
 
@@ -451,9 +508,10 @@ def test_from_pretrained_with_token_reduction(name, tmp_path):
             assert len(model(prompt(24)).plans) == 2
     model.save_pretrained(tmp_path / "reduced")
     assert transformers.AutoConfig.from_pretrained(tmp_path / "reduced").token_reduction["anchors"] == list(cfg.anchors)
-    attention = FAMILIES[name].kinds(model.config).index("attention")
-    with pytest.raises(ValueError, match="not SSM layers"):
-        loader.from_pretrained(tmp_path, token_reduction=TokenReductionConfig(keep_ratio=0.7, anchors=[attention]))
+    no_ssm = [i for i in range(model.config.num_hidden_layers - 1) if i not in ssm_layers(model)]
+    if no_ssm:  # (every Falcon-H1 layer has an SSM mixer)
+        with pytest.raises(ValueError, match="not SSM layers"):
+            loader.from_pretrained(tmp_path, token_reduction=TokenReductionConfig(keep_ratio=0.7, anchors=no_ssm[:1]))
 
 
 @pytest.mark.parametrize("name", HYBRIDS)
@@ -467,7 +525,7 @@ def test_model_card_figures_use_the_hybrid_schedule(name):
     card = analytic_flops(config, cfg)
     schedule = resolve_schedule(cfg, config)
     kinds = FAMILIES[name].kinds(config)
-    assert card["anchors"] == list(schedule.anchors) and all(kinds[a] == "ssm" for a in card["anchors"])
+    assert card["anchors"] == list(schedule.anchors) and all(kinds[a] in ANCHOR_KINDS for a in card["anchors"])
     assert card["keep_ratio"] == schedule.keep_ratio
 
 
@@ -493,3 +551,247 @@ def test_the_largest_reachable_target_is_accepted_and_one_beyond_is_refused():
             assert solve_keep_ratio(12, [2, 5], target, 0.5, costs) == pytest.approx(0.5, abs=1e-9)
         with pytest.raises(ValueError, match="not reachable"):
             solve_keep_ratio(12, [2, 5], reach + 1e-9, 0.5, costs)
+
+
+# ----------------------------------------------------------------------------- generation, budgets, shapes (issue 23)
+
+
+@pytest.mark.parametrize("name", HYBRIDS)
+def test_generate_with_and_without_a_cache_agree(name):
+    """``use_cache`` changes speed only: greedy and sampled generation after a reduced prefill give the same tokens
+    with the cache and without it (a no-cache step re-runs prompt + generated tokens, reducing the prompt alike)."""
+    model = reduce(hybrid_model(name))
+    ids = prompt(20, batch=2, seed=4)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    kw = dict(attention_mask=mask, max_new_tokens=5, pad_token_id=1)
+    with torch.no_grad():
+        assert torch.equal(model.generate(ids, do_sample=False, **kw),
+                           model.generate(ids, do_sample=False, use_cache=False, **kw))
+        torch.manual_seed(7)
+        sampled = model.generate(ids, do_sample=True, **kw)
+        torch.manual_seed(7)
+        assert torch.equal(model.generate(ids, do_sample=True, use_cache=False, **kw), sampled)
+
+
+@pytest.mark.parametrize("name", HYBRIDS)
+def test_keep_tokens_budget(name):
+    """A token budget on a hybrid (the long-context default method re-runs each anchor on what it keeps): each row
+    keeps at most ``keep_tokens`` real tokens after the last anchor, and every decode step equals a fresh forward."""
+    model = hybrid_model(name)
+    apply_token_reduction(model, TokenReductionConfig(keep_tokens=9, anchors=ssm_layers(model)[:2]))
+    ids = prompt(24, batch=2, seed=6)
+    with torch.no_grad():
+        out = model(ids, use_cache=False)
+        gen = model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=1, output_logits=True,
+                             return_dict_in_generate=True)
+    assert (out.kept_positions >= 0).sum(1).tolist() == [9, 9]
+    for t, step_logits in enumerate(gen.logits):
+        with torch.no_grad(), generation_prompt(24, None):
+            fresh = model(gen.sequences[:, : 24 + t], use_cache=False).logits[:, -1]
+        torch.testing.assert_close(step_logits, fresh, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("name", [n for n in HYBRIDS if "1b" in FAMILIES[n].sizes])
+def test_1b_shapes_have_about_a_billion_parameters(name):
+    """``random:<family>-1b`` (the bench shape) is built on the meta device and counted: 0.9 to 1.5 B parameters."""
+    config = random_config(f"{name}-1b")
+    with torch.device("meta"):
+        model = getattr(transformers, FAMILIES[name].lm_class)(config)
+    assert 0.9e9 < sum(p.numel() for p in model.parameters()) < 1.5e9
+
+
+def test_jamba_fast_kernels_are_installed_and_equal_stock():
+    """hf_tokred's CPU Mamba-1 kernels (selective scan, convolution) replace Jamba's own, and a dense forward with a
+    cache (logits, final SSM states) and a decode step equal transformers' loop (fp32, atol 1e-5)."""
+    module = importlib.import_module(FAMILIES["jamba"].modeling_module)
+    assert module.mamba_selective_scan is fastpath.REPLACEMENTS[module]["mamba_selective_scan"]
+    assert module.causal_conv1d_fn is fastpath.REPLACEMENTS[module]["causal_conv1d_fn"]
+    model = hybrid_model("jamba")
+    ids, nxt = prompt(40, batch=2), torch.tensor([[5], [7]])
+    mask = torch.ones_like(ids)
+    mask[1, :6] = 0
+    outs = []
+    for ctx in (stock_transformers, contextlib.nullcontext):
+        with torch.no_grad(), ctx():
+            out = model(ids, attention_mask=mask, use_cache=True)
+            cache = cache_of(out, hybrid=True)
+            states = [cache.layers[i].recurrent_states[0].clone() for i in ssm_layers(model)]
+            step = model(nxt, attention_mask=F.pad(mask, (0, 1), value=1), **layer_cache_kwargs(cache), use_cache=True)
+        outs.append((out.logits, states, step.logits))
+    for got, want in zip(outs[1], outs[0]):
+        torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["jamba", "falcon_h1", "zamba2"])
+def test_generate_and_bench_commands_on_a_random_tiny_model(name, capsys):
+    assert main(["generate", "hello there", "--model", f"random:{name}-tiny", "--keep-ratio", "0.7",
+                 "--max-new-tokens", "3", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["token_reduction"]["keep_ratio"] == 0.7
+    result = run_bench(f"random:{name}-tiny", length=48, flops=(0.3,), repeats=1, warmup=0, decode_tokens=2,
+                       progress=False)
+    dense, reduced = result["rows"]
+    assert dense["kv_cache_mib"] > reduced["kv_cache_mib"] > 0 and reduced["flops_reduction_exact"] > 0.1
+
+
+# ----------------------------------------------------------------------------- Falcon-H1: attention beside the mixer
+
+_MUP = dict(embedding_multiplier=2.5, lm_head_multiplier=0.7, ssm_multipliers=[1.2, 0.8, 1.1, 0.9, 1.3],
+            mlp_multipliers=[1.3, 0.8], key_multiplier=0.9, attention_in_multiplier=1.2, attention_out_multiplier=0.6,
+            ssm_in_multiplier=1.1, ssm_out_multiplier=0.5)
+
+
+def test_falcon_h1_keep_ratio_one_equals_stock_with_mup_multipliers():
+    """Falcon-H1's μP multipliers (embeddings, logits, both branches' inputs and outputs, the μP vector on the mixer's
+    projections, keys, MLP) at values other than 1: the anchors split into branches still equal stock, from ids and
+    from ``inputs_embeds`` (which stock does not scale by the embedding multiplier)."""
+    model = hybrid_model("falcon_h1", **_MUP)
+    test_keep_ratio_one_equals_stock(model)
+    embeds = model.model.embed_tokens(prompt(20, batch=2)).detach()
+    ref = stock(model, lambda: model(inputs_embeds=embeds).logits)
+    with torch.no_grad():
+        torch.testing.assert_close(model(inputs_embeds=embeds).logits, ref, atol=ATOL, rtol=0)
+    assert model.config.embedding_multiplier == 2.5 and model.model.layers[0].ssm_out_multiplier == 0.5
+
+
+def _branch_outputs(model, layer: int, ids):
+    """The scaled outputs of layer ``layer``'s Mamba-2 and attention branches in a dense forward (stock)."""
+    block = model.model.layers[layer]
+    seen = {}
+    hooks = [block.mamba.register_forward_hook(lambda m, a, o: seen.update(ssm=o * block.ssm_out_multiplier)),
+             block.self_attn.register_forward_hook(lambda m, a, o: seen.update(attn=o[0] * block.attn_out_multiplier))]
+    try:
+        stock(model, lambda: model(ids))
+    finally:
+        for h in hooks:
+            h.remove()
+    return seen["ssm"], seen["attn"]
+
+
+def test_falcon_h1_plan_comes_from_the_mamba_branch():
+    """EViT with the l2 metric keeps the last token and the tokens whose anchor output has the largest norm: by hand,
+    from the Mamba branch's scaled output (captured in a stock forward), not from the sum of both branches (which
+    keeps other tokens here)."""
+    model = hybrid_model("falcon_h1", **_MUP)
+    apply_token_reduction(model, TokenReductionConfig(method="evit", metric="l2", keep_ratio=0.5, anchors=[1]))
+    ids = prompt(20, seed=8)
+    ssm, attn = _branch_outputs(model, 1, ids)
+    with torch.no_grad():
+        kept = model(ids, use_cache=False).kept_positions[0].tolist()
+
+    def by_hand(h):
+        top = h[0, :-1].norm(dim=-1).topk(len(kept) - 1).indices
+        return sorted(top.tolist()) + [19]
+
+    assert kept == by_hand(ssm) != by_hand(ssm + attn)
+
+
+def test_falcon_h1_every_later_layer_sees_one_reduced_sequence():
+    """After an anchor both branches of every later layer read the same reduced columns, and each layer's KV cache
+    holds the columns its attention saw: the anchor's the unreduced ones (its attention runs beside its mixer)."""
+    model = reduce(hybrid_model("falcon_h1"))  # anchors 0 and 1
+    lengths = {}
+
+    def seen(key):
+        def hook(module, args, kwargs):
+            lengths[key] = (args[0] if args else kwargs["hidden_states"]).shape[1]
+        return hook
+
+    hooks = [m.register_forward_pre_hook(seen((i, name)), with_kwargs=True)
+             for i, layer in enumerate(model.model.layers) for name, m in (("ssm", layer.mamba), ("attn", layer.self_attn))]
+    with torch.no_grad():
+        out = model(prompt(24), use_cache=True)
+    for h in hooks:
+        h.remove()
+    (_, p0), (_, p1) = out.plans
+    M0, M1 = p0.keep.shape[1], p1.keep.shape[1]
+    assert 24 > M0 > M1
+    assert [lengths[i, "ssm"] for i in range(4)] == [lengths[i, "attn"] for i in range(4)] == [24, M0, M1, M1]
+    assert [out.cache.get_seq_length(i) for i in range(4)] == [24, M0, M1, M1]
+
+
+_SCANS = {"jamba": "mamba_selective_scan", "falcon_h1": "mamba2_chunk_scan"}
+
+
+def _stock_step_sizes(model, ids, layer: int):
+    """The mean step size per token of layer ``layer``'s SSM, from the arguments transformers' own scan receives in
+    a stock forward (Jamba: ``softplus(dt + delta_bias)`` over the channels; Falcon-H1: ``softplus(dt + dt_bias)``
+    clamped to ``dt_limit``, over the heads)."""
+    name = model.config.model_type
+    module = importlib.import_module(FAMILIES[name].modeling_module)
+    original, calls = STOCK.modules[module][_SCANS[name]], []
+
+    def recording(*args, **kwargs):
+        calls.append((args, kwargs))
+        return original(*args, **kwargs)
+
+    STOCK.modules[module][_SCANS[name]] = recording  # what stock_transformers() puts in place
+    try:
+        stock(model, lambda: model(ids))
+    finally:
+        STOCK.modules[module][_SCANS[name]] = original
+    args, kwargs = calls[ssm_layers(model).index(layer)]
+    if name == "jamba":
+        return F.softplus(args[1] + kwargs["delta_bias"][:, None]).mean(1)
+    low, high = kwargs["dt_limit"]
+    return F.softplus(args[1] + kwargs["dt_bias"]).clamp(low, high).mean(-1)
+
+
+@pytest.mark.parametrize("name", list(_SCANS))
+def test_delta_metric_is_the_stock_scans_mean_step_size(name):
+    """EViT with the ``delta`` metric keeps the last token and the tokens with the largest mean step size at the
+    anchor: by hand, from what transformers' own scan receives (Falcon-H1's μP vector scales ``dt``)."""
+    model = hybrid_model(name, **(_MUP if name == "falcon_h1" else {}))
+    anchor = ssm_layers(model)[1]
+    apply_token_reduction(model, TokenReductionConfig(method="evit", metric="delta", keep_ratio=0.5, anchors=[anchor]))
+    ids = prompt(20, seed=9)
+    step = _stock_step_sizes(model, ids, anchor)
+    with torch.no_grad():
+        kept = model(ids, use_cache=False).kept_positions[0].tolist()
+    assert kept == sorted(step[0, :-1].topk(len(kept) - 1).indices.tolist()) + [19]
+
+
+# ----------------------------------------------------------------------------- Zamba2: the shared block's embeddings
+
+
+def _merged_by_hand(x: torch.Tensor, plan) -> torch.Tensor:
+    """``x [B, N, D]`` after a plan whose strategy merges every removed token into its destination: each kept
+    column is the mean of its own row and the rows merged into it (written from the definition, row by row)."""
+    B, M = plan.keep.shape
+    out = torch.zeros(B, M, x.shape[-1])
+    for b in range(B):
+        for j in range(M):
+            if not plan.keep_mask[b, j]:
+                continue
+            rows = [int(plan.keep[b, j])] + [int(plan.src[b, r]) for r in range(plan.src.shape[1])
+                                             if plan.src_mask[b, r] and int(plan.dst_slot[b, r]) == j]
+            out[b, j] = x[b, rows].mean(0)
+    return out
+
+
+@pytest.mark.parametrize("method", ["evit", "utrc"])
+def test_zamba2_shared_block_reads_the_original_embeddings_of_the_kept_tokens(method):
+    """After the anchors, Zamba2's shared attention block reads the original embeddings reduced by the same plans as
+    the hidden states (EViT prunes: the kept tokens' own embeddings; UTRC merges the residual stream: each kept
+    column's embedding averaged with those merged into it, anchor by anchor, by hand), and its rotary embeddings at
+    the kept tokens' original positions."""
+    model = hybrid_model("zamba2")
+    apply_token_reduction(model, TokenReductionConfig(method=method, keep_ratio=0.7, anchors=ssm_layers(model)[:2]))
+    layer = attention_after_anchors(model)[0]
+    seen = {}
+    hook = model.model.layers[layer].shared_transformer.register_forward_hook(
+        lambda m, args, kwargs, out: seen.update(kwargs), with_kwargs=True)
+    ids = prompt(24, batch=2, seed=10)
+    with torch.no_grad():
+        out = model(ids, use_cache=False)
+        embeddings = model.model.embed_tokens(ids)
+    hook.remove()
+    (_, p0), (_, p1) = out.plans
+    if method == "evit":
+        want = embeddings.gather(1, out.kept_positions[..., None].expand(-1, -1, embeddings.shape[-1]))
+    else:
+        want = _merged_by_hand(_merged_by_hand(embeddings, p0), p1)
+    torch.testing.assert_close(seen["original_hidden_states"], want, atol=ATOL, rtol=0)
+    cos, sin = model.model.rotary_emb(embeddings, out.kept_positions)
+    torch.testing.assert_close(seen["position_embeddings"][0], cos, atol=0, rtol=0)
+    torch.testing.assert_close(seen["position_embeddings"][1], sin, atol=0, rtol=0)

@@ -14,11 +14,12 @@ PACKAGE = Path(__file__).resolve().parents[1] / "hf_tokred"
 
 LAYERS = {
     "hf_tokred.version": 0, "hf_tokred.config": 0, "hf_tokred.families": 0, "hf_tokred.flops": 0,
-    "hf_tokred.mamba_ssm_format": 0, "hf_tokred.blocks": 0, "hf_tokred.schedule": 0, "hf_tokred.bundled_models": 0,
+    "hf_tokred.mamba_ssm_format": 0, "hf_tokred.blocks": 0, "hf_tokred.hybrid_layers": 0, "hf_tokred.schedule": 0,
+    "hf_tokred.bundled_models": 0,
     "hf_tokred.ops": 1, "hf_tokred.reduce": 1, "hf_tokred.select": 1,
     "hf_tokred.compat": 2, "hf_tokred.settings": 2, "hf_tokred.outputs": 2, "hf_tokred.loop": 2, "hf_tokred.hybrid": 2,
     "hf_tokred.forwards": 2, "hf_tokred.variant": 2, "hf_tokred.loading": 2, "hf_tokred.fastpath": 2,
-    "hf_tokred.install": 2, "hf_tokred.question": 2, "hf_tokred.mamba_ssm_loading": 2,
+    "hf_tokred.install": 2, "hf_tokred.question": 2, "hf_tokred.mamba_ssm_loading": 2, "hf_tokred.tokens": 2,
     "hf_tokred.models": 3, "hf_tokred.bench": 3, "hf_tokred.convert": 3, "hf_tokred.evaluation": 3, "hf_tokred.hub": 3,
     "hf_tokred.cli": 4,
     "hf_tokred": 5,
@@ -116,7 +117,8 @@ def test_kernels_never_import_the_method():
 
 
 @pytest.mark.parametrize("name", ["hf_tokred.version", "hf_tokred.config", "hf_tokred.families", "hf_tokred.flops",
-                                  "hf_tokred.mamba_ssm_format", "hf_tokred.blocks", "hf_tokred.schedule",
+                                  "hf_tokred.mamba_ssm_format", "hf_tokred.blocks", "hf_tokred.hybrid_layers",
+                                  "hf_tokred.schedule",
                                   "hf_tokred.bundled_models"])
 def test_pure_layer_imports_no_model_code(name):
     path = PACKAGE.parent.joinpath(*name.split(".")).with_suffix(".py")

@@ -151,7 +151,7 @@ def test_use_cache_resolves_as_in_stock(name):
     config = random_config(f"{name}-tiny")
     torch.manual_seed(0)
     model = getattr(transformers, FAMILIES[name].lm_class)(config)
-    ssm = [i for i, k in enumerate(FAMILIES[name].kinds(config)) if k == "ssm"]
+    ssm = FAMILIES[name].anchor_layers(config)
     hybrid = FAMILIES[name].hybrid
     hf_tokred.apply_token_reduction(model, TokenReductionConfig(method="evit", keep_ratio=0.5, anchors=ssm[:2]))
     ids = rows(2, 1, 12)
