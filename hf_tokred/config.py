@@ -92,11 +92,11 @@ METHODS: dict[str, MethodSpec] = {
         "(hf_tokred's method, the recommended default: the authors' front window, chosen by importance).",
     ),
     "prefilter": MethodSpec(
-        "lookahead", "prune", "prune", False,
+        "blocks", "prune", "prune", False,
         "Score with a first pass of the anchor block, then prune before it: the anchor and every later block run on "
-        "the most important tokens and the 3 before each (hf_tokred's long-context method, the default of "
-        "keep_tokens: later blocks see a short, whole sequence, which gives back the recall a Mamba loses past its "
-        "training length).",
+        "the most important blocks of 16 consecutive tokens (hf_tokred's long-context method, the default of "
+        "keep_tokens: later blocks see a short sequence of whole runs of text, which gives back the recall a Mamba "
+        "loses past its training length).",
         rerun=True,
     ),
     "utrc_frozen": MethodSpec(

@@ -27,10 +27,12 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from .ops import cpu as cpu_ops
 
-__all__ = ["FRONT_WINDOW", "LOOKAHEAD_SPAN", "Selection", "best_cosine_chunked", "flat_index", "importance", "select", "take_rows"]
+__all__ = ["FRONT_WINDOW", "PREFILTER_BLOCK", "Selection", "best_cosine_chunked", "block_scores", "flat_index",
+           "importance", "select", "take_rows"]
 
 
 def importance(h: torch.Tensor, metric: str = "clip", scores: torch.Tensor | None = None) -> torch.Tensor:
@@ -307,17 +309,24 @@ def _select_front(h, s, protected, r, metric, receive=True, frozen=None, match_w
 #: the tokens before an important one that the lookahead selection keeps with it: a Mamba block's causal
 #: convolution reads the 3 tokens before each token (conv_kernel 4 in every supported family), so a token
 #: re-run without them would see another context than the one it was scored in
-LOOKAHEAD_SPAN = 3
+#: prefilter keeps whole blocks of this many consecutive tokens
+PREFILTER_BLOCK = 16
 
 
-def _select_lookahead(h, s, protected, r, metric, receive=True, frozen=None, match_window=0,
-                      span=LOOKAHEAD_SPAN) -> Selection:
-    """EViT's rule on importance spread backwards over ``span`` tokens: a token scores the highest importance of
-    itself and the ``span`` tokens after it, so an important token keeps the tokens its convolution reads."""
-    spread = s.clone()
-    for k in range(1, min(span, s.shape[1] - 1) + 1):
-        spread[:, :-k] = torch.maximum(spread[:, :-k], s[:, k:])
-    return _select_importance(h, spread, protected, r, metric, receive, frozen, match_window)
+def block_scores(s: torch.Tensor, size: int) -> torch.Tensor:
+    """Each token's block score: the highest importance in its block of ``size`` consecutive tokens, blocks counted
+    from the first token (``s [g, n]``, no padding)."""
+    g, n = s.shape
+    blocks = F.pad(s, (0, (-n) % size), value=-math.inf).view(g, -1, size).amax(-1)
+    return blocks.repeat_interleave(size, dim=1)[:, :n]
+
+
+def _select_blocks(h, s, protected, r, metric, receive=True, frozen=None, match_window=0,
+                   size=PREFILTER_BLOCK) -> Selection:
+    """EViT's rule on block scores: the least important blocks of ``size`` consecutive tokens go first (a block
+    scores its most important token), so what is kept is whole runs of text around the tokens that matter; within
+    a block that is cut, its earliest tokens go first."""
+    return _select_importance(h, block_scores(s, size), protected, r, metric, receive, frozen, match_window)
 
 
 _SELECTORS = {
@@ -326,7 +335,7 @@ _SELECTORS = {
     "bipartite": _select_bipartite,
     "importance": _select_importance,
     "front": _select_front,
-    "lookahead": _select_lookahead,
+    "blocks": _select_blocks,
 }
 
 

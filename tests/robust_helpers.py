@@ -36,7 +36,7 @@ METHOD_SELECTION = {
     "merge_only": ("importance_similarity", True),
     "utrc_frozen": ("importance_similarity", True),
     "front_prune": ("front", False),
-    "prefilter": ("lookahead", False),
+    "prefilter": ("blocks", False),
 }
 #: selections that do not pair tokens (an anchor may remove more than half)
 UNPAIRED = frozenset(sel for sel, pairs in METHOD_SELECTION.values() if not pairs)

@@ -32,6 +32,7 @@ import hf_tokred
 from hf_tokred import METHODS, METRICS, STRATEGIES, TokenReductionConfig
 from hf_tokred.config import schedule_proxy_reduction as proxy_flops_reduction
 from hf_tokred.reduce import apply_plan, make_plan, num_to_remove
+from hf_tokred.select import PREFILTER_BLOCK
 
 from conftest import examples, stock_forward, tiny_model
 from robust_helpers import (
@@ -237,7 +238,13 @@ def test_tiny_keep_ratio_never_empties_a_row(n, keep):
 # ============================================================================ 6. make_plan / apply_plan directly
 
 
-SELECTIONS = ["importance_similarity", "bipartite", "reference", "importance", "front"]
+SELECTIONS = ["importance_similarity", "bipartite", "reference", "importance", "front", "blocks"]
+
+
+def documented_importance(h: torch.Tensor, metric: str, scores) -> torch.Tensor:
+    """Paper Eq. 5 and its Table 3 variants, written out (``delta``: the step sizes given)."""
+    return {"clip": lambda: h.clamp_min(0).mean(-1), "l1": lambda: h.abs().mean(-1), "l2": lambda: h.norm(dim=-1),
+            "noclip": lambda: h.mean(-1), "delta": lambda: scores}[metric]()
 
 
 @st.composite
@@ -336,6 +343,13 @@ def test_make_plan_invariants(selection, data):
         if sel == "front":  # only the oldest 2r unprotected tokens are candidates (r: the documented count)
             window = [p for p in real if not protected[b, p]][: 2 * documented_num_to_remove(n, keep, pairs)]
             assert set(src) <= set(window)
+        if sel == "blocks":  # whole blocks of PREFILTER_BLOCK real tokens, scored by their most important token, go first
+            imp = documented_importance(h[b, real], c["metric"], None if scores is None else scores[b, real])
+            block = [max(imp[i - i % PREFILTER_BLOCK:i - i % PREFILTER_BLOCK + PREFILTER_BLOCK].tolist())
+                     for i in range(n)]
+            gone = [block[real.index(p)] for p in src]
+            stay = [block[i] for i, p in enumerate(real) if p in kept and not protected[b, p]]
+            assert not gone or not stay or max(gone) <= min(stay), (gone, stay)
         if pairs:
             assert set(dst) <= set(kept)  # merges go into surviving real tokens only
             assert plan.keep[b][plan.dst_slot[b][ok]].tolist() == dst

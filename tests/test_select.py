@@ -9,7 +9,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from hf_tokred import TokenReductionConfig
 from hf_tokred.reduce import apply_plan, make_plan
-from hf_tokred.select import best_cosine_chunked, select
+from hf_tokred.select import PREFILTER_BLOCK, best_cosine_chunked, block_scores, select
 
 GRID = 2.0**-16
 
@@ -134,3 +134,23 @@ def test_match_window_reaches_the_model_only_for_similarity_methods():
     assert TokenReductionConfig(method="utrc", keep_ratio=0.7, match_window=0).match_window == 0
     with pytest.raises(ValueError, match="no effect"):
         TokenReductionConfig(method="evit", keep_ratio=0.7, match_window=0)
+
+
+def test_block_scores_by_hand():
+    s = torch.tensor([[1.0, 5.0, 2.0, 0.0, -4.0, 3.0, 9.0]])
+    assert block_scores(s, 3).tolist() == [[5.0, 5.0, 5.0, 3.0, 3.0, 3.0, 9.0]]
+    assert block_scores(s, 7).tolist() == [[9.0] * 7] and torch.equal(block_scores(s, 1), s)
+
+
+def test_prefilter_removes_the_least_important_blocks_by_hand():
+    """Blocks of 16 tokens scored by their most important token (clip metric: h >= 0, so importance = mean of h):
+    the lowest block goes whole, then the earliest tokens of the next lowest; protected tokens stay."""
+    assert PREFILTER_BLOCK == 16  # the blocks below
+    imp = torch.full((40,), 0.1)
+    imp[3], imp[20], imp[33] = 0.9, 0.5, 0.7  # block scores: 0.9 (tokens 0-15), 0.5 (16-31), 0.7 (32-39)
+    h = imp[None, :, None].expand(1, 40, 4).clone()
+    protected = torch.zeros(1, 40, dtype=torch.bool)
+    protected[0, [17, 39]] = True
+    sel = select("blocks", h, protected, torch.tensor([18]), "clip")
+    # block 16-31 loses its 15 unprotected tokens (17 stays), then 32, 33, 34 of block 32-39
+    assert sorted(sel.src[0][sel.valid[0]].tolist()) == [16] + list(range(18, 32)) + [32, 33, 34]
