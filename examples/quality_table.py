@@ -60,7 +60,7 @@ def _measured(model, run):
     with hf_tokred.record_reduction() as records:
         out = run()
     for r in records:
-        meter.add("all", r.layer_lengths)
+        meter.add("all", r.layer_lengths, r.input_lengths)
     return out, meter
 
 

@@ -121,7 +121,7 @@ def test_protected_positions_survive():
     lengths = row_layer_lengths(out, [48, 40], model.config.num_hidden_layers)
     assert lengths[0][:2] == [48, 48] and lengths[0][-1] == int(out.computed_mask[0].sum())
     meter = FlopsMeter(model.config)
-    meter.add("t", lengths[:1])
+    meter.add("t", lengths[:1], [48])
     assert meter.summary()["exact"] == pytest.approx(flops_reduction(model.config, lengths[0], 48))
 
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from ..settings import apply_token_reduction, get_token_reduction
-from .meter import FlopsMeter, row_layer_lengths
+from .meter import FlopsMeter
 
 __all__ = ["fidelity_result", "fidelity_sums", "heldout_fidelity", "reduction_disabled"]
 
@@ -68,7 +68,7 @@ def fidelity_sums(model, tokenizer, passages, batch_size, max_length, progress, 
             with reduction_disabled(model):
                 dense = model(input_ids=ids, attention_mask=attn, use_cache=False)
         if meter is not None:
-            meter.add("heldout_fidelity", row_layer_lengths(red, [len(s) for s in batch], meter.layers))
+            meter.add_forward("heldout_fidelity", red, [len(s) for s in batch])
         mask = attn.bool() & red.computed_mask
         lr = F.log_softmax(red.logits[mask].float(), -1)
         ld = F.log_softmax(dense.logits[mask].float(), -1)

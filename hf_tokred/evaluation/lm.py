@@ -202,10 +202,11 @@ else:
                     f"{int(missed.sum())} scored position(s) were not computed by the model (first: row {row}, "
                     f"position {pos}); the scored logits would belong to other positions"
                 )
-            lengths = row_layer_lengths(out, [len(inp) for inp, _ in rows], self.flops.layers)
-            for req, ls in zip(chunk, lengths):
+            reals = [len(inp) for inp, _ in rows]
+            lengths = row_layer_lengths(out, reals, self.flops.layers)
+            for req, ls, n in zip(chunk, lengths, reals):
                 group = self._rolling_task if req[0] is None else self._task_of.get(tuple(req[0]), "unattributed")
-                self.flops.add(group, [ls])
+                self.flops.add(group, [ls], [n])
             s = self.scoring
             s["rows"] += B
             s["scored_positions"] += int(scored.sum())

@@ -15,7 +15,8 @@ Tasks:
   has no meaning here: one cell per length.
 
 Every method sees exactly the same rows (same seed), dense included; each cell is the mean over rows with a 95 %
-percentile bootstrap interval over rows, and the FLOPs the method saved on those rows (from the plans that ran).
+percentile bootstrap interval over rows, and the FLOPs the method saved on those rows (from the plans that ran; the
+LM head counted at the positions whose logits were computed, the same for every method).
 :func:`grid` returns records; :func:`format_table`, :func:`plot` and :func:`save` present them.
 """
 
@@ -32,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from ..settings import apply_token_reduction
-from .meter import FlopsMeter, row_layer_lengths
+from .meter import FlopsMeter
 from .mqar import make_batch
 from .passkey import PasskeySettings, make_passkey_batch, passkey_hits
 from .quality import bootstrap_ci
@@ -88,17 +89,22 @@ def _ppl_rows(stream: Sequence[int], length: int, n: int):
     return ids, question, score
 
 
+def _logits_kept(question: torch.Tensor) -> int:
+    """The last positions whose logits a task reads: its question and the token before it."""
+    return int(question.max()) + 1
+
+
 @torch.no_grad()
 def _run(model, ids, question, score, batch_size: int, meter: FlopsMeter, group: str) -> list[float]:
     device = next(model.parameters()).device
-    per_row, keep = [], int(question.max()) + 1  # every task scores inside the question (and the token before it)
+    per_row, keep = [], _logits_kept(question)
     for i in range(0, len(ids), batch_size):
         rows = slice(i, i + batch_size)
         out = model(ids[rows].to(device), question_length=question[rows].to(device), use_cache=False,
                     logits_to_keep=keep)
         logits = out.logits.float().cpu()
         per_row += score(logits, rows).tolist()
-        meter.add(group, row_layer_lengths(out, [ids.shape[1]] * logits.shape[0], meter.layers))
+        meter.add_forward(group, out, [ids.shape[1]] * logits.shape[0])
     return per_row
 
 
@@ -132,7 +138,9 @@ def grid(model, tokenizer, tasks: Sequence[str], lengths: Sequence[int], depths:
                 batches = {d: _passkey_rows(tokenizer, passkey, texts, length, d, n, seed) for d in depths}
             for name, cfg in methods.items():
                 apply_token_reduction(model, cfg)
-                meter, pooled = FlopsMeter(model.config), []
+                # the LM head runs on the question's positions only, dense and reduced alike
+                keep = max(_logits_kept(question) for _, question, _ in batches.values())
+                meter, pooled = FlopsMeter(model.config, lm_head_positions=keep), []
                 for depth, (ids, question, score) in batches.items():
                     values = _run(model, ids, question, score, batch_size, meter, str(depth))
                     pooled += values

@@ -29,10 +29,13 @@ def row_layer_lengths(out, real_lengths: Sequence[int], num_layers: int) -> list
 
 
 class FlopsMeter:
-    """Accumulates analytic and proxy FLOPs of the forwards that ran, grouped by task."""
+    """Accumulates analytic and proxy FLOPs of the forwards that ran, grouped by task.  ``lm_head_positions``: the
+    positions per row whose logits were computed (``None``: every position of the last block), in the dense and
+    the reduced forward alike."""
 
-    def __init__(self, config):
+    def __init__(self, config, lm_head_positions: int | None = None):
         self.config = config
+        self.lm_head_positions = lm_head_positions
         self.layers = config.num_hidden_layers
         self._cache: dict[tuple[int, ...], int] = {}
         # per group: dense flops, reduced flops, dense token-layers, reduced token-layers, rows, tokens
@@ -40,19 +43,25 @@ class FlopsMeter:
 
     def _flops(self, lengths: tuple[int, ...]) -> int:
         if lengths not in self._cache:
-            self._cache[lengths] = model_flops(self.config, lengths).total
+            head = None if self.lm_head_positions is None else min(self.lm_head_positions, lengths[-1])
+            self._cache[lengths] = model_flops(self.config, lengths, lm_head_positions=head).total
         return self._cache[lengths]
 
-    def add(self, group: str, lengths_per_row: Iterable[Sequence[int]]) -> None:
+    def add(self, group: str, lengths_per_row: Iterable[Sequence[int]], real_lengths: Iterable[int]) -> None:
+        """Rows whose blocks processed ``lengths_per_row[b]`` tokens, of ``real_lengths[b]`` real input tokens (the
+        dense forward's length: an anchor that re-ran processed more than that)."""
         acc = self._acc[group]
-        for lengths in lengths_per_row:
-            n = lengths[0]
+        for n, lengths in zip(real_lengths, lengths_per_row, strict=True):
             acc[0] += self._flops((n,) * self.layers)
             acc[1] += self._flops(tuple(lengths))
             acc[2] += n * self.layers
             acc[3] += sum(lengths)
             acc[4] += 1
             acc[5] += n
+
+    def add_forward(self, group: str, out, real_lengths: Sequence[int]) -> None:
+        """A forward's rows (its ``plans``; dense: none) of ``real_lengths`` real tokens each."""
+        self.add(group, row_layer_lengths(out, real_lengths, self.layers), real_lengths)
 
     def state(self) -> dict[str, list[int]]:
         return {k: list(v) for k, v in self._acc.items()}

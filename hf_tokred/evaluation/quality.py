@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ..settings import get_token_reduction
-from .meter import FlopsMeter, row_layer_lengths
+from .meter import FlopsMeter
 from .mqar import MQARSettings, make_batch, recall_hits
 
 __all__ = ["SuffixScores", "bootstrap_ci", "context_benefit", "fidelity", "mqar_accuracy", "passage_ids",
@@ -151,6 +151,6 @@ def mqar_accuracy(model, settings: MQARSettings, n: int = 256, seed: int = 1_000
         mask = getattr(out, "computed_mask", None)
         computed += int(mask.sum()) if mask is not None else b.input_ids.numel()
         if meter is not None:
-            meter.add("mqar", row_layer_lengths(out, [b.input_ids.shape[1]] * b.input_ids.shape[0], meter.layers))
+            meter.add_forward("mqar", out, [b.input_ids.shape[1]] * b.input_ids.shape[0])
         real += b.input_ids.numel()
     return {"accuracy": bootstrap_ci(per_row), "sequences": len(per_row), "computed_share": computed / real}
