@@ -7,7 +7,7 @@ package.  A variant is ``dense`` or ``METHOD:K[:key=value,...]`` (a token budget
 TokenReductionConfig fields, ``anchors`` as ``1+3``), where METHOD is one of hf_tokred's methods or a probe-only
 one registered here, on the selector table, for this process only:
 
-* ``pre_blocksB`` -- prefilter with blocks of ``B`` tokens (``prefilter`` itself uses 16);
+* ``pre_blocksB`` -- prefilter with blocks of ``B`` tokens (``prefilter`` itself uses 32);
 * ``pre_lookaheadS`` -- prefilter keeping single tokens, each scoring the highest importance of itself and the
   ``S`` tokens after it (``prefilter`` before 0.4.0 used ``S = 3``);
 * ``pre_tokens`` -- prefilter keeping the most important single tokens (EViT's rule before the anchor).

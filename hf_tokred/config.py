@@ -94,7 +94,7 @@ METHODS: dict[str, MethodSpec] = {
     "prefilter": MethodSpec(
         "blocks", "prune", "prune", False,
         "Score with a first pass of the anchor block, then prune before it: the anchor and every later block run on "
-        "the most important blocks of 16 consecutive tokens (hf_tokred's long-context method, the default of "
+        "the most important blocks of 32 consecutive tokens (hf_tokred's long-context method, the default of "
         "keep_tokens: later blocks see a short sequence of whole runs of text, which gives back the recall a Mamba "
         "loses past its training length).",
         rerun=True,

@@ -310,7 +310,7 @@ def _select_front(h, s, protected, r, metric, receive=True, frozen=None, match_w
 #: convolution reads the 3 tokens before each token (conv_kernel 4 in every supported family), so a token
 #: re-run without them would see another context than the one it was scored in
 #: prefilter keeps whole blocks of this many consecutive tokens
-PREFILTER_BLOCK = 16
+PREFILTER_BLOCK = 32
 
 
 def block_scores(s: torch.Tensor, size: int) -> torch.Tensor:

@@ -143,14 +143,14 @@ def test_block_scores_by_hand():
 
 
 def test_prefilter_removes_the_least_important_blocks_by_hand():
-    """Blocks of 16 tokens scored by their most important token (clip metric: h >= 0, so importance = mean of h):
+    """Blocks of 32 tokens scored by their most important token (clip metric: h >= 0, so importance = mean of h):
     the lowest block goes whole, then the earliest tokens of the next lowest; protected tokens stay."""
-    assert PREFILTER_BLOCK == 16  # the blocks below
-    imp = torch.full((40,), 0.1)
-    imp[3], imp[20], imp[33] = 0.9, 0.5, 0.7  # block scores: 0.9 (tokens 0-15), 0.5 (16-31), 0.7 (32-39)
-    h = imp[None, :, None].expand(1, 40, 4).clone()
-    protected = torch.zeros(1, 40, dtype=torch.bool)
-    protected[0, [17, 39]] = True
-    sel = select("blocks", h, protected, torch.tensor([18]), "clip")
-    # block 16-31 loses its 15 unprotected tokens (17 stays), then 32, 33, 34 of block 32-39
-    assert sorted(sel.src[0][sel.valid[0]].tolist()) == [16] + list(range(18, 32)) + [32, 33, 34]
+    assert PREFILTER_BLOCK == 32  # the blocks below
+    imp = torch.full((80,), 0.1)
+    imp[3], imp[40], imp[66] = 0.9, 0.5, 0.7  # block scores: 0.9 (tokens 0-31), 0.5 (32-63), 0.7 (64-79)
+    h = imp[None, :, None].expand(1, 80, 4).clone()
+    protected = torch.zeros(1, 80, dtype=torch.bool)
+    protected[0, [33, 79]] = True
+    sel = select("blocks", h, protected, torch.tensor([36]), "clip")
+    # block 32-63 loses its 31 unprotected tokens (33 stays), then 64-68 of block 64-79
+    assert sorted(sel.src[0][sel.valid[0]].tolist()) == [32] + list(range(34, 64)) + list(range(64, 69))
