@@ -94,14 +94,19 @@ def _is_fresh(cache, first_ssm: int | None = None) -> bool:
         return True
 
 
-def _apply_both(residual, h, plan: Plan, cfg: TokenReductionConfig) -> torch.Tensor:
-    """Reduce both branches with one plan and add them: one fused Triton kernel on CUDA, torch elsewhere."""
+def _apply_both(residual, h, plan: Plan, cfg: TokenReductionConfig, timer) -> torch.Tensor:
+    """Reduce both branches with one plan and add them: one fused Triton kernel on CUDA (it adds as it gathers),
+    torch elsewhere, on ``residual + h`` (the block's own output, computed as the dense block computes it: not
+    timed as the reduction's cost)."""
     if h.device.type == "cuda":
-        take = lambda x: x.gather(1, plan.src[..., None].expand(-1, -1, x.shape[-1]))  # noqa: E731
-        w_res, w_hid = (merge_weights(plan, st, cfg.q, take(x) if st == "hybrid_channel" else None)
-                        for x, st in ((residual, cfg.residual), (h, cfg.hidden)))
-        return fused_apply_plan(residual, h, plan.keep, plan.keep_mask, plan.src, plan.dst_slot, w_res, w_hid)
-    return apply_plan_pair(residual, h, plan, cfg.residual, cfg.hidden, cfg.q)
+        with timer("apply"):
+            take = lambda x: x.gather(1, plan.src[..., None].expand(-1, -1, x.shape[-1]))  # noqa: E731
+            w_res, w_hid = (merge_weights(plan, st, cfg.q, take(x) if st == "hybrid_channel" else None)
+                            for x, st in ((residual, cfg.residual), (h, cfg.hidden)))
+            return fused_apply_plan(residual, h, plan.keep, plan.keep_mask, plan.src, plan.dst_slot, w_res, w_hid)
+    total = residual + h
+    with timer("apply"):
+        return apply_plan_pair(residual, h, plan, cfg.residual, cfg.hidden, cfg.q, total)
 
 
 class _Captured:
@@ -175,11 +180,7 @@ def _anchor_block(block, family, hidden, cache, layer_mask, tokens, cfg, removal
     layer's feed-forward half then runs on the reduced sequence (it is per token)."""
     residual, h, plan = _plan_at(block, family, hidden, cache, layer_mask, tokens, cfg, removal, mixer_kwargs, timer,
                                  branch=branch)
-    if plan is None:
-        out = residual + h
-    else:
-        with timer("apply"):
-            out = _apply_both(residual, h, plan, cfg)
+    out = residual + h if plan is None else _apply_both(residual, h, plan, cfg, timer)
     return (out if family.feed_forward is None else family.feed_forward(block, out)), plan
 
 

@@ -172,8 +172,9 @@ def merge_weights(plan: Plan, strategy: str, q: float, x_src: torch.Tensor | Non
 
 
 def apply_plan_pair(a: torch.Tensor, b: torch.Tensor | None, plan: Plan, strategy_a: str,
-                    strategy_b: str | None = None, q: float = 0.5) -> torch.Tensor:
-    """``apply_plan(a, plan, strategy_a, q) + apply_plan(b, plan, strategy_b, q)`` (``b`` may be ``None``).
+                    strategy_b: str | None = None, q: float = 0.5, total: torch.Tensor | None = None) -> torch.Tensor:
+    """``apply_plan(a, plan, strategy_a, q) + apply_plan(b, plan, strategy_b, q)`` (``b`` may be ``None``;
+    ``total``: ``a + b`` when the caller has it, e.g. a block's own output).
 
     The one torch implementation of applying a plan.  The kept rows (of ``a + b``) are gathered once; only the
     rows that receive merges are recomputed, branch by branch: ``dst <- (dst + sum_i w_i src_i) / (1 + sum_i
@@ -181,7 +182,9 @@ def apply_plan_pair(a: torch.Tensor, b: torch.Tensor | None, plan: Plan, strateg
     fp32, cast back to the branch's dtype before the branches are added.  Padding slots are zero.
     """
     branches = [(a, strategy_a)] + ([] if b is None else [(b, strategy_b)])
-    out = take_rows(a if b is None else a + b, plan.keep)
+    if total is None:
+        total = a if b is None else a + b
+    out = take_rows(total, plan.keep)
     if plan.src.shape[1]:
         weights = [merge_weights(plan, st, q, take_rows(x, plan.src) if st == "hybrid_channel" else None)
                    for x, st in branches]

@@ -23,6 +23,7 @@ right is frozen merges into the nearest kept token before it instead (or is prun
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 
@@ -242,6 +243,12 @@ def _odd_destinations(sel, match, ok, s, frozen) -> Selection:
     return Selection(src, dst, ok, s.gather(1, src), mergeable)
 
 
+logger = logging.getLogger("hf_tokred")
+_warned: set[str] = set()
+#: tokens at an anchor above which utrc_reference's global matching is logged (once per process) as costly
+REFERENCE_LONG = 4096
+
+
 def _select_reference(h, s, protected, r, metric, receive=True, frozen=None, match_window=0) -> Selection:
     """The reference code's selection, operation for operation: a per-channel sort along the token axis,
     then ``a @ b^T`` on the sorted halves, with row ``i`` of ``a`` read as even token ``2i`` and row ``j``
@@ -252,6 +259,12 @@ def _select_reference(h, s, protected, r, metric, receive=True, frozen=None, mat
     float rounding of the scores (rows computed with and without padding may split a near-tie differently).
     The matching is the authors' global one (``match_window`` does not apply: its cost is that of their code)."""
     n = h.shape[1]
+    if n > REFERENCE_LONG and "reference" not in _warned:
+        _warned.add("reference")
+        logger.warning("hf_tokred: utrc_reference matches every token with every other, as the authors' code does "
+                       "(%d tokens at this anchor): its cost grows as the square of the prompt (36 %% of the dense "
+                       "forward at 16k tokens); for long prompts use utrc, whose matching window keeps it linear",
+                       n)
     feat = _features(h, metric)
     feat = feat / feat.norm(dim=-1, keepdim=True).clamp_min(1e-12)  # normalised before the per-channel sort
     ranked = torch.sort(feat, dim=1, descending=True, stable=True).values

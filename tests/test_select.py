@@ -9,6 +9,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from hf_tokred import TokenReductionConfig
 from hf_tokred.reduce import apply_plan, make_plan
+from hf_tokred import select as select_mod
 from hf_tokred.select import PREFILTER_BLOCK, best_cosine_chunked, block_scores, select
 
 GRID = 2.0**-16
@@ -154,3 +155,15 @@ def test_prefilter_removes_the_least_important_blocks_by_hand():
     sel = select("blocks", h, protected, torch.tensor([36]), "clip")
     # block 32-63 loses its 31 unprotected tokens (33 stays), then 64-68 of block 64-79
     assert sorted(sel.src[0][sel.valid[0]].tolist()) == [32] + list(range(34, 64)) + list(range(64, 69))
+
+
+def test_utrc_reference_on_a_long_prompt_says_its_cost_once(caplog, monkeypatch):
+    monkeypatch.setattr(select_mod, "_warned", set())
+    h = torch.rand(1, select_mod.REFERENCE_LONG + 2, 2)
+    protected = torch.zeros(h.shape[:2], dtype=torch.bool)
+    with caplog.at_level("WARNING", logger="hf_tokred"):
+        select("reference", h[:, :64], protected[:, :64], torch.tensor([4]), "clip")
+        assert not caplog.records  # a short prompt: nothing to say
+        for _ in range(2):
+            select("reference", h, protected, torch.tensor([4]), "clip")
+    assert len(caplog.records) == 1 and "use utrc" in caplog.records[0].getMessage()
